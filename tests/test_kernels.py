@@ -1,0 +1,245 @@
+"""Triton kernels against their torch references, run on CPU under the Triton interpreter.
+
+Tolerances: value_range and compaction must be bit-exact (max/min and a copy round nothing);
+window-attention and CUR scores use rtol 1e-4, atol 1e-6 (scores are probabilities of order
+1/n; the kernels only reorder fp32 sums and fold the 1/sqrt(D) scale into an exp2).
+bf16 inputs are loaded as bf16 and upcast to fp32 inside the kernels, so they get the same
+tolerances as fp32.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton / vase_sglang are imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import vase_sglang.ops as ops  # noqa: E402
+from vase_sglang.ops.compact import compact_kv_reference_, compact_kv_triton_  # noqa: E402
+from vase_sglang.ops.cur_leverage import cur_leverage_reference, cur_leverage_triton  # noqa: E402
+from vase_sglang.ops.value_range import value_range_reference, value_range_triton  # noqa: E402
+from vase_sglang.ops.window_attention import (  # noqa: E402
+    window_attention_reference,
+    window_attention_triton,
+)
+
+torch.set_num_threads(1)
+SCORE_TOL = dict(rtol=1e-4, atol=1e-6)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------- value range
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "batch,h,n,d", [((2, 3), 2, 37, 64), ((), 4, 131, 128), ((2,), 1, 5, 100)]
+)
+def test_value_range_matches_reference(dtype, batch, h, n, d):
+    v = _randn(*batch, h, n, d, dtype=dtype, seed=n + d)
+    out = value_range_triton(v)
+    assert out.dtype == torch.float32 and out.shape == (*batch, h, n)
+    torch.testing.assert_close(out, value_range_reference(v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shift", [-10.0, 10.0])
+def test_value_range_one_signed_values_with_padded_head_dim(shift):
+    v = _randn(2, 3, 37, 100, seed=1) + shift  # D=100 is padded to 128 inside the kernel
+    torch.testing.assert_close(value_range_triton(v), value_range_reference(v), rtol=0, atol=0)
+
+
+def test_value_range_strided_input():
+    v = _randn(3, 2, 40, 128)[:, :, 1:38, ::2]  # non-contiguous along n and D
+    torch.testing.assert_close(value_range_triton(v), value_range_reference(v), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- window attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n,batch", [(37, (2, 3)), (131, (2,))])
+def test_window_attention_matches_reference(dtype, group, d, n, batch):
+    h_kv, w = 2, 8
+    q = _randn(*batch, h_kv * group, w, d, dtype=dtype, seed=1, scale=2.0)
+    k = _randn(*batch, h_kv, n, d, dtype=dtype, seed=2, scale=2.0)
+    out = window_attention_triton(q, k, temperature=0.7, pool_kernel=5)
+    ref = window_attention_reference(q, k, temperature=0.7, pool_kernel=5)
+    assert out.dtype == torch.float32 and out.shape == (*batch, h_kv, n)
+    torch.testing.assert_close(out, ref, **SCORE_TOL)
+
+
+@pytest.mark.parametrize("pool_kernel", [1, 3, 7])
+@pytest.mark.parametrize("n", [2, 61, 150])  # 2: the pool window is wider than the input
+def test_window_attention_pool_kernels(pool_kernel, n):
+    q = _randn(1, 4, 5, 64, seed=3, scale=3.0)
+    k = _randn(1, 2, n, 64, seed=4, scale=3.0)
+    torch.testing.assert_close(
+        window_attention_triton(q, k, pool_kernel=pool_kernel),
+        window_attention_reference(q, k, pool_kernel=pool_kernel),
+        **SCORE_TOL,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_attention_odd_head_dim_and_strided_keys(dtype):
+    q = _randn(2, 6, 4, 80, dtype=dtype, seed=5)
+    k = _randn(2, 3, 50, 80, dtype=dtype, seed=6)[:, :, 3:40]  # non-contiguous keys
+    torch.testing.assert_close(
+        window_attention_triton(q, k, temperature=1.3, pool_kernel=5),
+        window_attention_reference(q, k, temperature=1.3, pool_kernel=5),
+        **SCORE_TOL,
+    )
+
+
+def test_window_attention_rejects_even_pool_kernel():
+    with pytest.raises(ValueError):
+        window_attention_triton(torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 9, 64), pool_kernel=4)
+
+
+# ---------------------------------------------------------------- CUR leverage
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "batch,h,n,d,r", [((2, 3), 2, 37, 64, 20), ((2,), 7, 131, 128, 20), ((), 1, 5, 100, 3)]
+)
+def test_cur_leverage_matches_reference(dtype, batch, h, n, d, r):
+    k = _randn(*batch, h, n, d, dtype=dtype, seed=7)
+    v = _randn(*batch, h, n, d, dtype=dtype, seed=8)
+    g = _randn(*batch, d, r, seed=9)
+    out = cur_leverage_triton(k, v, g)
+    assert out.dtype == torch.float32 and out.shape == (*batch, h, n)
+    torch.testing.assert_close(out, cur_leverage_reference(k, v, g), **SCORE_TOL)
+
+
+def test_cur_leverage_shared_projection_and_strided_values():
+    k = _randn(2, 3, 37, 64, seed=10)
+    v = _randn(2, 3, 64, 37, seed=11).transpose(-1, -2)  # non-contiguous values
+    g = _randn(64, 20, seed=12)  # one projection broadcast over the leading dims
+    torch.testing.assert_close(
+        cur_leverage_triton(k, v, g), cur_leverage_reference(k, v, g), **SCORE_TOL
+    )
+
+
+# ---------------------------------------------------------------- compaction
+
+
+def _pool(num_layers, num_slots, h, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(num_slots, h, d, generator=g).to(dtype) for _ in range(2 * num_layers)]
+
+
+def _random_keep(b, num_layers, h, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = [torch.randperm(n, generator=g)[:k] for _ in range(b * num_layers * h)]
+    return torch.sort(torch.stack(idx)).values.view(b, num_layers, h, k)
+
+
+def _bits(t):
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _check_compaction(b, num_layers, h, n, d, keep, dtype, slot_dtype, seed=0):
+    num_slots = 3 * b * n + 5
+    bufs = _pool(num_layers, num_slots, h, d, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    slots = torch.randperm(num_slots, generator=g)[: b * n].view(b, n).to(slot_dtype)
+    original = [t.clone() for t in bufs]
+    expected = [t.clone() for t in bufs]
+    compact_kv_reference_(expected[:num_layers], expected[num_layers:], slots, keep)
+    compact_kv_triton_(bufs[:num_layers], bufs[num_layers:], slots, keep)
+    for got, want in zip(bufs, expected):
+        assert torch.equal(_bits(got), _bits(want))
+    # how many layer buffers changed
+    return sum(not torch.equal(_bits(a), _bits(o)) for a, o in zip(bufs, original))
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("d", [64, 128, 80])
+def test_compaction_random_keep(dtype, slot_dtype, d):
+    b, num_layers, h, n, k = 3, 4, 2, 131, 70  # 3 requests on disjoint slots
+    keep = _random_keep(b, num_layers, h, n, k, seed=d)
+    assert _check_compaction(b, num_layers, h, n, d, keep, dtype, slot_dtype) > 0
+
+
+def test_compaction_identity_keep_is_a_no_op():
+    b, num_layers, h, n, k = 2, 3, 4, 37, 37
+    keep = torch.arange(k).expand(b, num_layers, h, k).contiguous()
+    assert _check_compaction(b, num_layers, h, n, 64, keep, torch.bfloat16, torch.int64) == 0
+
+
+def test_compaction_keep_last_k():
+    b, num_layers, h, n, k = 2, 3, 4, 37, 20
+    keep = torch.arange(n - k, n).expand(b, num_layers, h, k).contiguous()
+    _check_compaction(b, num_layers, h, n, 128, keep, torch.bfloat16, torch.int32)
+
+
+def test_compaction_keep_shifted_by_one():
+    # keep[j] = j + 1: every source is the destination of the previous j in the same block.
+    b, num_layers, h, n, k = 1, 2, 2, 65, 64
+    keep = torch.arange(1, n).expand(b, num_layers, h, k).contiguous()
+    _check_compaction(b, num_layers, h, n, 64, keep, torch.float32, torch.int64)
+
+
+# ---------------------------------------------------------------- backend dispatch
+
+
+def test_kernel_backend_choice(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("VASE_KERNELS", raising=False)
+    assert ops.kernel_backend(cpu) == "torch"
+    monkeypatch.setenv("VASE_KERNELS", "auto")
+    assert ops.kernel_backend(cpu) == "torch"
+    monkeypatch.setenv("VASE_KERNELS", "triton")
+    assert ops.kernel_backend(cpu) == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError):
+        ops.kernel_backend(cpu)
+    monkeypatch.setenv("VASE_KERNELS", "bogus")
+    with pytest.raises(ValueError):
+        ops.kernel_backend(cpu)
+
+
+def test_dispatch_runs_triton(monkeypatch):
+    monkeypatch.setenv("VASE_KERNELS", "triton")
+
+    def reference_must_not_run(*args, **kwargs):
+        raise AssertionError("VASE_KERNELS=triton fell back to the torch reference")
+
+    for name in (
+        "value_range_reference",
+        "window_attention_reference",
+        "cur_leverage_reference",
+        "compact_kv_reference_",
+    ):
+        monkeypatch.setattr(ops, name, reference_must_not_run)
+
+    k = _randn(2, 2, 37, 64, seed=13)
+    v = _randn(2, 2, 37, 64, seed=14)
+    q = _randn(2, 4, 8, 64, seed=15)
+    g = _randn(2, 64, 20, seed=16)
+    torch.testing.assert_close(ops.value_range(v), value_range_reference(v), rtol=0, atol=0)
+    torch.testing.assert_close(
+        ops.window_attention(q, k, temperature=0.5, pool_kernel=3),
+        window_attention_reference(q, k, temperature=0.5, pool_kernel=3),
+        **SCORE_TOL,
+    )
+    torch.testing.assert_close(
+        ops.cur_leverage(k, v, g), cur_leverage_reference(k, v, g), **SCORE_TOL
+    )
+
+    bufs = _pool(2, 60, 2, 64, torch.bfloat16, seed=17)
+    expected = [t.clone() for t in bufs]
+    slots = torch.randperm(60)[:37].view(1, 37)
+    keep = _random_keep(1, 2, 2, 37, 16, seed=18)
+    compact_kv_reference_(expected[:2], expected[2:], slots, keep)
+    ops.compact_kv_(bufs[:2], bufs[2:], slots, keep)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(bufs, expected))

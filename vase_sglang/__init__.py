@@ -1,0 +1,24 @@
+"""vase-sglang: Value-aware Stochastic KV-cache Eviction (VaSE) for SGLang.
+
+Engine-free core (this package): `EvictionConfig`, the policies and `select_tokens`, and the
+scoring / compaction ops (torch references and Triton kernels side by side in `ops/`).
+The SGLang hooks live in the separate package `vase_sglang_patches` (folder `patches/`).
+"""
+
+from .config import POLICY_NAMES, EvictionConfig
+from .ops import kernel_backend
+from .policies import POLICIES, Draws, Policy, register_policy, select_tokens
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EvictionConfig",
+    "POLICY_NAMES",
+    "POLICIES",
+    "Policy",
+    "Draws",
+    "select_tokens",
+    "register_policy",
+    "kernel_backend",
+    "__version__",
+]

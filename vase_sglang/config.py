@@ -1,0 +1,117 @@
+"""EvictionConfig: every knob of a KV-eviction run, validated once, engine-free.
+
+Vocabulary (kept identical in the SGLang flags `--kv-evict-*`):
+  budget        T  tokens a request keeps per layer and KV head after an eviction, *including*
+                   the newest `window` tokens (the paper's token budget).
+  window        R  newest tokens always kept; eviction runs every R decode tokens once the cache
+                   holds T + R tokens, so the footprint cycles between T and T + R.
+  value_slots   N_v  (vase-attnv only) slots always given to the largest Range(v)=max(v)-min(v);
+                   default T/4 as in every official VaSE script.
+  sinks         first tokens of the sequence that are always kept.
+  seed          base of every random draw; draws are keyed by (seed, request, layer, round).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+# Policy names are the user-facing values of --kv-evict-policy.
+POLICY_NAMES = (
+    "full",
+    "vase-attnv",
+    "vase-dkv",
+    "snapkv",
+    "rkv",
+    "curdkv",
+    "random",
+    "streaming",
+    "evict-large-values",
+)
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    policy: str = "vase-attnv"
+    budget: int = 1024
+    window: int = 64
+    value_slots: int | None = None
+    sinks: int = 4
+    seed: int = 0
+    # Scoring details; defaults are those of the official VaSE code.
+    temperature: float = 1.0  # softmax temperature of the window attention
+    pool_kernel: int = 5  # avg-pool width along the key axis (odd; 1 disables smoothing)
+    projection_rank: int = 20  # r of the Gaussian projection of the CUR policies
+    rkv_lambda: float = 0.5  # R-KV mix: lambda*importance - (1-lambda)*redundancy
+
+    def __post_init__(self):
+        from .policies import POLICIES  # registry: built-ins plus register_policy()
+
+        known = ("full", *POLICIES)
+        if self.policy not in known:
+            raise ValueError(
+                f"policy: unknown policy {self.policy!r}; choose one of {', '.join(known)}"
+            )
+        for name in ("budget", "window", "sinks", "seed", "pool_kernel", "projection_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: must be an integer, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
+        if self.window < 1:
+            raise ValueError(f"window: must be >= 1, got {self.window}")
+        if self.budget <= self.window:
+            raise ValueError(
+                f"budget: must be larger than window ({self.window}) since the budget includes "
+                f"the window, got {self.budget}"
+            )
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel: must be a positive odd integer, got {self.pool_kernel}")
+        if self.projection_rank < 1:
+            raise ValueError(f"projection_rank: must be >= 1, got {self.projection_rank}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ValueError(f"temperature: must be a finite number > 0, got {self.temperature!r}")
+        if not (isinstance(self.rkv_lambda, (int, float)) and 0.0 <= self.rkv_lambda <= 1.0):
+            raise ValueError(f"rkv_lambda: must be in [0, 1], got {self.rkv_lambda!r}")
+        if self.value_slots is not None:
+            if isinstance(self.value_slots, bool) or not isinstance(self.value_slots, int):
+                raise ValueError(f"value_slots: must be an integer, got {self.value_slots!r}")
+            if self.value_slots < 0:
+                raise ValueError(f"value_slots: must be >= 0, got {self.value_slots}")
+            if self.value_slots and self.policy != "vase-attnv":
+                raise ValueError(
+                    f"value_slots: only the vase-attnv policy reserves value slots "
+                    f"(policy is {self.policy!r}); leave it unset or 0"
+                )
+        if self.policy != "full" and self.sinks + self.n_value_slots > self.keep:
+            raise ValueError(
+                f"value_slots: value_slots ({self.n_value_slots}) + sinks ({self.sinks}) must fit in "
+                f"budget - window ({self.keep})"
+            )
+
+    @property
+    def keep(self) -> int:
+        """Older tokens kept per (layer, KV head) at each eviction: K = budget - window."""
+        return self.budget - self.window
+
+    @property
+    def n_value_slots(self) -> int:
+        if self.policy != "vase-attnv":
+            return 0
+        if self.value_slots is None:  # official default T/4, shrunk only if T/4 cannot fit
+            return max(0, min(self.budget // 4, self.keep - self.sinks))
+        return self.value_slots
+
+    @property
+    def evicts(self) -> bool:
+        return self.policy != "full"
+
+    @property
+    def trigger_len(self) -> int:
+        """Private cache length at which an eviction runs (then again every `window` tokens)."""
+        return self.budget + self.window
+
+    def replace(self, **changes) -> "EvictionConfig":
+        return dataclasses.replace(self, **changes)

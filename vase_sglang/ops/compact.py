@@ -1,0 +1,103 @@
+"""Per-head compaction of kept K/V into a request's first slots, for every layer of a KV pool.
+
+For each request b, layer l, KV head h and j < K:
+    k_buffers[l][slots[b, j], h] <- k_buffers[l][slots[b, keep[b, l, h, j]], h]   (and V alike)
+
+`slots` [B, n] are the physical pool slots of the request's n candidate tokens in token order;
+`keep` [B, L, H, K] are ascending candidate indices per (request, layer, head). Because keep is
+ascending and distinct, keep[j] >= j: a token is only ever moved towards the front, so a pass that
+reads a block of sources before writing that block is safe in place. Mixing tokens of different
+heads inside one slot is sound because keys are stored after RoPE and attention over past tokens
+does not depend on their order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch-only install: the reference works, the kernel is not defined
+    triton = None
+
+
+def compact_kv_reference_(
+    k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor
+) -> None:
+    """In place; k_buffers / v_buffers are per-layer tensors [S, H, D] (one pool slot per row)."""
+    num_layers = keep.shape[1]
+    b, h, k = keep.shape[0], keep.shape[2], keep.shape[3]
+    slots = slots.long()
+    dst = slots[:, :k]  # [B, K]
+    head = torch.arange(h, device=slots.device).view(1, h, 1)
+    for layer in range(num_layers):
+        src = torch.gather(slots.unsqueeze(1).expand(b, h, slots.shape[1]), 2, keep[:, layer].long())
+        for buf in (k_buffers[layer], v_buffers[layer]):
+            moved = buf[src, head]  # [B, H, K, D], fully read before the write below
+            buf[dst.unsqueeze(1).expand(b, h, k), head] = moved
+
+
+if triton is not None:
+
+    # The copy moves raw bits: elements are loaded and stored as integers of the same width.
+    _WORD = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+    # Fuses the gather and scatter of K and V for every (request, layer, head) into one launch:
+    # the per-layer buffers are separate allocations, so the kernel reads each layer's base
+    # address from a pointer table. One program per (b, l, h) walks j in blocks and reads the
+    # whole block of K and V sources before writing it, which is safe in place since keep[j] >= j.
+    @triton.jit
+    def _compact_kernel(
+        k_table, v_table, slots, keep, num_kept, d,
+        s_slot_b, s_slot_n, s_keep_b, s_keep_l, s_keep_h, s_keep_k, s_buf_s, s_buf_h, s_buf_d,
+        WORD: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        layer = tl.program_id(1)
+        head = tl.program_id(2).to(tl.int64)
+        k_buf = tl.load(k_table + layer).to(tl.pointer_type(WORD))
+        v_buf = tl.load(v_table + layer).to(tl.pointer_type(WORD))
+        keep_row = keep + b * s_keep_b + layer * s_keep_l + head * s_keep_h
+        slot_row = slots + b * s_slot_b
+        dd = tl.arange(0, BLOCK_D)
+        for j0 in range(0, num_kept, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            j_ok = j < num_kept
+            src_idx = tl.load(keep_row + j * s_keep_k, mask=j_ok, other=0)
+            src = tl.load(slot_row + src_idx * s_slot_n, mask=j_ok, other=0).to(tl.int64)
+            dst = tl.load(slot_row + j * s_slot_n, mask=j_ok, other=0).to(tl.int64)
+            mask = j_ok[:, None] & (dd[None, :] < d)
+            col = head * s_buf_h + dd[None, :] * s_buf_d
+            src_off = src[:, None] * s_buf_s + col
+            dst_off = dst[:, None] * s_buf_s + col
+            k_rows = tl.load(k_buf + src_off, mask=mask)
+            v_rows = tl.load(v_buf + src_off, mask=mask)
+            # keep[j'] may equal some j of this same block: every thread's reads must land
+            # before any thread's writes.
+            tl.debug_barrier()
+            tl.store(k_buf + dst_off, k_rows, mask=mask)
+            tl.store(v_buf + dst_off, v_rows, mask=mask)
+
+
+def compact_kv_triton_(k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor) -> None:
+    """Same contract as compact_kv_reference_ (in place)."""
+    num_req, num_layers, num_heads, num_kept = keep.shape
+    k_bufs, v_bufs = list(k_buffers[:num_layers]), list(v_buffers[:num_layers])
+    first = k_bufs[0]
+    layout = (first.shape, first.stride(), first.dtype)
+    if any((t.shape, t.stride(), t.dtype) != layout for t in k_bufs + v_bufs):
+        raise ValueError("all K/V layer buffers must share shape, strides and dtype")
+    if keep.numel() == 0:
+        return
+
+    # The buffers are reached only through these addresses, never passed as tensor arguments.
+    def table(ts):
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=slots.device)
+
+    d = first.shape[-1]
+    _compact_kernel[(num_req, num_layers, num_heads)](
+        table(k_bufs), table(v_bufs), slots, keep, num_kept, d,
+        *slots.stride(), *keep.stride(), *first.stride(),
+        WORD=_WORD[first.element_size()], BLOCK_J=32, BLOCK_D=triton.next_power_of_2(d),
+    )

@@ -1,0 +1,289 @@
+"""The eviction decision: which older tokens each (request, layer, KV head) keeps.
+
+Every policy is a small dataclass with `score()` (higher = more worth keeping) and, through the
+base class, `select()`. Selection is the same for all of them:
+  1. forced tokens: the sinks (first tokens of the sequence), plus for vase-attnv the
+     `value_slots` candidates with the largest Range(v);
+  2. the remaining slots go to the best scores (top-k), or for sampling policies are drawn
+     without replacement with probability proportional to the score. Gumbel-top-k
+     (top-k of log w + Gumbel noise) has exactly that distribution and runs batched.
+Indices come back ascending per head, so "older slot = older token" stays true across rounds.
+
+Nothing here knows about SGLang: inputs are plain tensors with any leading batch dims
+(typically [requests, layers]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from . import ops, rng
+from .config import EvictionConfig
+
+
+@dataclass(frozen=True)
+class Draws:
+    """Random streams of one batched eviction step: one 32-bit key per batch element.
+
+    `per_round` changes every eviction round; `per_generation` is fixed for a request's whole
+    generation (curdkv's projection is drawn once, vase-dkv's at every round).
+    """
+
+    per_round: torch.Tensor
+    per_generation: torch.Tensor
+
+    @classmethod
+    def make(cls, seed: int, batch_shape, device, request=None, layer=None, round=0) -> "Draws":
+        if request is None and layer is None:
+            # No identities given: each batch element is its own stream.
+            count = 1
+            for size in batch_shape:
+                count *= size
+            request = torch.arange(count, device=device).reshape(batch_shape)
+        request = torch.as_tensor(0 if request is None else request, device=device)
+        layer = torch.as_tensor(0 if layer is None else layer, device=device)
+        round = torch.as_tensor(round, device=device)
+        try:
+            shape = torch.broadcast_shapes(tuple(batch_shape), request.shape, layer.shape, round.shape)
+        except RuntimeError:
+            shape = None
+        if shape != tuple(batch_shape):
+            raise ValueError(
+                f"request/layer/round: shapes {tuple(request.shape)}, {tuple(layer.shape)}, "
+                f"{tuple(round.shape)} do not broadcast to the batch shape {tuple(batch_shape)}"
+            )
+        gen = rng.stream_key(seed, request, layer, device=device).expand(shape)
+        per_round = rng.stream_key(seed, request, layer, round + 1, device=device).expand(shape)
+        return cls(per_round=per_round, per_generation=gen)
+
+    @staticmethod
+    def _index(key: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        count = 1
+        for size in shape:
+            count *= size
+        index = torch.arange(count, device=key.device, dtype=torch.int64).reshape(shape)
+        return key.reshape(*key.shape, *([1] * len(shape))), index
+
+    def gumbel(self, shape) -> torch.Tensor:
+        """Gumbel noise [*batch, *shape], new every round."""
+        return rng.gumbel(*self._index(self.per_round, shape))
+
+    def projection(self, head_dim: int, rank: int, per_round: bool) -> torch.Tensor:
+        """G [*batch, D, r] with entries N(0, 1/r), shared by the KV heads of a layer."""
+        key = self.per_round if per_round else self.per_generation
+        key = rng.mix32(key ^ 0x5BD1E995)  # a sub-stream distinct from the Gumbel noise
+        return rng.normal(*self._index(key, (head_dim, rank))) / rank**0.5
+
+
+@dataclass(frozen=True)
+class Policy:
+    cfg: EvictionConfig
+    needs_queries: ClassVar[bool] = False
+    reads_kv: ClassVar[bool] = True  # False: the score ignores K/V contents (engines skip the read)
+    samples: ClassVar[bool] = False  # weighted sampling without replacement instead of top-k
+    ascending: ClassVar[bool] = True  # select() returns ascending indices (in-place compaction)
+
+    def score(self, keys, values, queries, draws: Draws) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forced(self, keys, values, sinks: int) -> torch.Tensor:
+        """Bool [..., H, n]: candidates kept whatever their score."""
+        mask = torch.zeros(keys.shape[:-1], dtype=torch.bool, device=keys.device)
+        mask[..., :sinks] = True
+        return mask
+
+    def select(self, keys, values, queries, draws: Draws, sinks: int, check: bool = True):
+        score = self.score(keys, values, queries, draws).float()
+        if check and torch.isnan(score).any():
+            raise ValueError(
+                f"scores: policy {self.cfg.policy!r} produced NaN scores; keys, values or "
+                f"queries contain NaN or Inf"
+            )
+        if self.samples:
+            # Gumbel-top-k == sequential sampling without replacement with p ∝ score.
+            # Clamping keeps zero-weight tokens drawable (uniformly, after all positive ones).
+            score = score.clamp_min(1e-30).log() + draws.gumbel(score.shape[-2:])
+        score = score.masked_fill(self.forced(keys, values, sinks), float("inf"))
+        keep = score.topk(self.cfg.keep, dim=-1, sorted=False).indices
+        return keep.sort(dim=-1).values
+
+
+@dataclass(frozen=True)
+class StreamingPolicy(Policy):
+    """Sinks + the most recent candidates (StreamingLLM)."""
+
+    reads_kv: ClassVar[bool] = False
+
+    def score(self, keys, values, queries, draws):
+        n = keys.shape[-2]
+        return torch.arange(n, device=keys.device, dtype=torch.float32).expand(keys.shape[:-1])
+
+
+@dataclass(frozen=True)
+class RandomPolicy(Policy):
+    """Uniform per-head subset (Random Attention); reads no KV."""
+
+    reads_kv: ClassVar[bool] = False
+
+    def score(self, keys, values, queries, draws):
+        return draws.gumbel(keys.shape[-3:-1])
+
+
+@dataclass(frozen=True)
+class SnapKVPolicy(Policy):
+    """Deterministic top-k of the window-attention score."""
+
+    needs_queries: ClassVar[bool] = True
+
+    def score(self, keys, values, queries, draws):
+        return ops.window_attention(
+            queries, keys, temperature=self.cfg.temperature, pool_kernel=self.cfg.pool_kernel
+        )
+
+
+@dataclass(frozen=True)
+class RKVPolicy(SnapKVPolicy):
+    """lambda * importance - (1 - lambda) * redundancy, as the R-KV baseline of the VaSE code:
+    redundancy = softmax over tokens of the mean cosine similarity to the other keys."""
+
+    def score(self, keys, values, queries, draws):
+        importance = super().score(keys, values, queries, draws)
+        unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+        cos = torch.matmul(unit, unit.transpose(-1, -2))
+        cos.diagonal(dim1=-2, dim2=-1).zero_()
+        redundancy = torch.softmax(cos.mean(dim=-1), dim=-1)
+        lam = self.cfg.rkv_lambda
+        return lam * importance - (1.0 - lam) * redundancy
+
+
+@dataclass(frozen=True)
+class VaseAttnVPolicy(SnapKVPolicy):
+    """VaSE-AttnV: the value_slots largest Range(v) are kept, the rest sampled ∝ attention."""
+
+    samples: ClassVar[bool] = True
+
+    def forced(self, keys, values, sinks):
+        mask = super().forced(keys, values, sinks)
+        n_value = self.cfg.n_value_slots
+        if n_value:
+            spread = ops.value_range(values).masked_fill(mask, float("-inf"))
+            mask.scatter_(-1, spread.topk(n_value, dim=-1, sorted=False).indices, True)
+        return mask
+
+
+@dataclass(frozen=True)
+class CurDKVPolicy(Policy):
+    """CUR leverage ||kG||^2 ||vG||^2, top-k; G drawn once per generation."""
+
+    redraw_each_round: ClassVar[bool] = False
+
+    def score(self, keys, values, queries, draws):
+        g = draws.projection(keys.shape[-1], self.cfg.projection_rank, self.redraw_each_round)
+        return ops.cur_leverage(keys, values, g.to(keys.device))
+
+
+@dataclass(frozen=True)
+class VaseDKVPolicy(CurDKVPolicy):
+    """VaSE-DKV: CUR leverage with the projection redrawn at every eviction."""
+
+    redraw_each_round: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class EvictLargeValuesPolicy(Policy):
+    """Ablation: keeps the smallest-range tokens, i.e. evicts exactly what VaSE protects."""
+
+    def score(self, keys, values, queries, draws):
+        return -ops.value_range(values)
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "vase-attnv": VaseAttnVPolicy,
+    "vase-dkv": VaseDKVPolicy,
+    "snapkv": SnapKVPolicy,
+    "rkv": RKVPolicy,
+    "curdkv": CurDKVPolicy,
+    "random": RandomPolicy,
+    "streaming": StreamingPolicy,
+    "evict-large-values": EvictLargeValuesPolicy,
+}
+
+
+def register_policy(name: str, policy: type[Policy]) -> None:
+    """Add a policy under a --kv-evict-policy name. Its select() may return any distinct
+    candidate indices, at most n per head (set `ascending = False` if they are not sorted)."""
+    if not (isinstance(policy, type) and issubclass(policy, Policy)):
+        raise ValueError(f"policy: {policy!r} is not a Policy subclass")
+    if name == "full" or (name in POLICIES and POLICIES[name] is not policy):
+        raise ValueError(f"policy: the name {name!r} is taken")
+    POLICIES[name] = policy
+
+
+def _check_shapes(cfg: EvictionConfig, keys, values, queries, needs_queries: bool) -> None:
+    if keys.dim() < 3:
+        raise ValueError(f"keys: expected [..., H_kv, n, D], got shape {tuple(keys.shape)}")
+    if values.shape[:-1] != keys.shape[:-1]:
+        raise ValueError(
+            f"values: shape {tuple(values.shape)} does not match keys {tuple(keys.shape)} "
+            f"in [..., H_kv, n]"
+        )
+    if keys.shape[-2] < cfg.keep:
+        raise ValueError(
+            f"keys: {keys.shape[-2]} candidate tokens cannot fill budget - window = {cfg.keep}"
+        )
+    if needs_queries:
+        if queries is None:
+            raise ValueError(f"queries: policy {cfg.policy!r} needs the window queries")
+        if queries.dim() != keys.dim() or queries.shape[:-3] != keys.shape[:-3]:
+            raise ValueError(
+                f"queries: expected [..., H_q, W, D] with the batch dims of keys "
+                f"{tuple(keys.shape[:-3])}, got {tuple(queries.shape)}"
+            )
+        if queries.shape[-1] != keys.shape[-1]:
+            raise ValueError(
+                f"queries: head dim {queries.shape[-1]} differs from keys' {keys.shape[-1]}"
+            )
+        if queries.shape[-3] % keys.shape[-3] != 0:
+            raise ValueError(
+                f"queries: {queries.shape[-3]} query heads are not a multiple of "
+                f"{keys.shape[-3]} KV heads"
+            )
+
+
+def select_tokens(
+    cfg: EvictionConfig,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None = None,
+    *,
+    request=None,
+    layer=None,
+    round=0,
+    sinks: int | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Candidate indices to keep, LongTensor [..., H_kv, budget - window], ascending per head.
+
+    keys, values: [..., H_kv, n, D] candidates (every token but the newest `window`), keys
+    post-RoPE. queries: [..., H_q, W, D], the last W queries (attention policies only).
+    request, layer, round: ids (ints or tensors broadcasting to the batch dims) that key the
+    random draws; with neither request nor layer, each batch element is its own stream.
+    sinks: how many of the first candidates are sinks (default cfg.sinks; an engine whose
+    protected prompt already holds the sinks passes fewer). check: raise on NaN scores
+    (costs a device sync).
+    """
+    if not isinstance(cfg, EvictionConfig):
+        raise ValueError(f"cfg: expected an EvictionConfig, got {type(cfg).__name__}")
+    n = keys.shape[-2] if keys.dim() >= 2 else 0
+    if not cfg.evicts:
+        return torch.arange(n, device=keys.device).expand(*keys.shape[:-2], n)
+    policy = POLICIES[cfg.policy](cfg)
+    _check_shapes(cfg, keys, values, queries, policy.needs_queries)
+    sinks = cfg.sinks if sinks is None else sinks
+    if not 0 <= sinks <= cfg.sinks:
+        raise ValueError(f"sinks: must be in [0, {cfg.sinks}], got {sinks}")
+    draws = Draws.make(cfg.seed, keys.shape[:-3], keys.device, request, layer, round)
+    return policy.select(keys, values, queries, draws, sinks, check=check)
