@@ -1,0 +1,72 @@
+"""SGLang hooks of vase-sglang (this folder imports as `vase_sglang_patches`).
+
+SGLang calls `register()` (entry point group `sglang.srt.plugins`) at the start of every one of
+its processes. Each module here hooks one SGLang subsystem and lists its exact targets:
+
+  server_args   ServerArgs.add_cli_args / from_cli_args / resolve_once   flags, validation
+  model_runner  ModelRunner._init_post_memory_pool_components            eviction runtime
+                RadixAttention.forward                                   query capture
+                ForwardBatch.init_new                                    RoPE positions
+  scheduler     Scheduler.update_running_batch                           the eviction step
+                Req.reset_for_retract                                    retraction
+  output        SchedulerOutputStreamer / TokenizerManager               meta_info count
+  rotary_cpu    RotaryEmbedding.__init__                                 CPU serving without vllm
+"""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+
+from . import model_runner, output, rotary_cpu, scheduler, server_args, settings
+from .settings import configure
+
+logger = logging.getLogger("vase_sglang")
+SUPPORTED_SGLANG = "0.5.23"
+
+
+def planned_hooks(cfg) -> list[tuple[str, str, object]]:
+    """The hooks this process needs: flags and meta_info everywhere, the eviction machinery
+    only where eviction is configured."""
+    hooks = list(server_args.HOOKS) + list(output.FRONTEND_HOOKS)
+    if rotary_cpu.needed():
+        hooks += rotary_cpu.HOOKS
+    if cfg is not None and cfg.evicts:
+        hooks += model_runner.HOOKS + scheduler.HOOKS + output.SCHEDULER_HOOKS
+    return hooks
+
+
+def check_targets(hooks) -> None:
+    """Every target must exist in the installed SGLang. SGLang's HookRegistry only logs a
+    failed patch, which would leave eviction silently half-installed, so stop the process."""
+    missing = []
+    for target, _kind, _fn in hooks:
+        try:
+            pkgutil.resolve_name(target)
+        except (ImportError, AttributeError) as err:
+            missing.append(f"{target} ({type(err).__name__}: {err})")
+    if missing:
+        import sglang
+
+        raise SystemExit(
+            f"vase-sglang: hook targets missing in sglang {sglang.__version__} "
+            f"(supported: {SUPPORTED_SGLANG}):\n  " + "\n  ".join(missing)
+        )
+
+
+def register() -> None:
+    """Entry point of the `sglang.srt.plugins` group."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    try:
+        cfg = settings.config_from_env()
+    except ValueError as err:
+        # load_plugins() swallows exceptions; a bad setting must stop the process instead.
+        raise SystemExit(f"vase-sglang: {err}") from None
+    hooks = planned_hooks(cfg)
+    check_targets(hooks)
+    for target, kind, fn in hooks:
+        HookRegistry.register(target, fn, HookType[kind])
+
+
+__all__ = ["register", "configure", "planned_hooks", "check_targets"]

@@ -1,0 +1,46 @@
+"""Hooks on the output path: each response's meta_info gets `kv_evicted_tokens`, the number of
+its tokens evicted per (layer, KV head) so far.
+
+SGLang's own extension point carries it: SchedulerOutputStreamer emits "additional customized
+info" when its class flag `has_additional_customized_info` is set (we set it in the scheduler
+process when eviction is on), and the tokenizer manager accumulates such values into meta_info
+as a list, which we collapse to the latest count."""
+
+from __future__ import annotations
+
+from . import runtime
+
+KEY = "kv_evicted_tokens"
+TARGET_STREAMER = (
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+)
+TARGET_BUILD_INFO = TARGET_STREAMER + ".build_additional_customized_info"
+TARGET_META_INFO = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+
+
+def enable_in_scheduler() -> None:
+    """Scheduler process, eviction on: opt the streamer into additional customized info
+    (a ClassVar on the target class, read by every instance)."""
+    import pkgutil
+
+    pkgutil.resolve_name(TARGET_STREAMER).has_additional_customized_info = True
+
+
+def after_build_info(result, self, reqs):
+    """AFTER SchedulerOutputStreamer.build_additional_customized_info."""
+    if runtime.RUNTIME is None:
+        return result
+    result = dict(result or {})
+    result[KEY] = [[getattr(req, runtime.EVICTED, 0)] for req in reqs]
+    return result
+
+
+def after_update_meta_info(result, self, meta_info, *args, **kwargs):
+    """AFTER TokenizerManager.update_request_meta_info: latest cumulative count, not a list."""
+    values = meta_info.get(KEY)
+    if isinstance(values, list):
+        meta_info[KEY] = values[-1] if values else 0
+
+
+SCHEDULER_HOOKS = [(TARGET_BUILD_INFO, "AFTER", after_build_info)]
+FRONTEND_HOOKS = [(TARGET_META_INFO, "AFTER", after_update_meta_info)]

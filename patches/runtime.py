@@ -1,0 +1,220 @@
+"""Per-process eviction state and the eviction step on SGLang's data structures.
+
+One `EvictionRuntime` lives in each scheduler process (built when the model runner has its KV
+pool). The step, per request whose private cache (tokens not owned by the radix tree) holds
+n + window tokens with n >= budget:
+
+  1. candidates = the n oldest private tokens; the newest `window` are never candidates;
+  2. `select_tokens` picks K = budget - window of them per (layer, KV head);
+  3. `compact_kv_` moves the kept K/V of every layer and head into the first K candidate slots;
+  4. the row of req_to_token is rewritten so the newest `window` tokens (slots untouched) follow
+     the K kept slots, and the other n - K candidate slots go back to the allocator;
+  5. the request's KV lengths, the batch's seq_lens and the RoPE position offset are updated.
+
+Row layout before and after (P = tree-owned prefix, never touched):
+    [0, P) prefix | [P, P+n) candidates            | [P+n, P+n+R) newest R
+    [0, P) prefix | [P, P+K) kept (mixed per head) | [P+K, P+K+R) newest R   (same slots)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from vase_sglang import EvictionConfig, select_tokens
+from vase_sglang.ops import compact_kv_
+from vase_sglang.policies import POLICIES
+
+logger = logging.getLogger("vase_sglang.eviction")
+
+# Attributes this plugin keeps on sglang's Req (Req has no __slots__; Req.kv does).
+OFFSET = "_vase_pos_offset"  # tokens removed from the KV so far: true position - KV length
+EVICTED = "_vase_evicted"  # tokens evicted per (layer, KV head), reported in meta_info
+ROUNDS = "_vase_rounds"
+SAVED_SKIP = "_vase_saved_skip_insert"
+
+
+@dataclass
+class EvictionStats:
+    evictions: int = 0  # request-rounds
+    tokens_evicted: int = 0
+    slots_freed: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class EvictionRuntime:
+    cfg: EvictionConfig
+    k_buffers: list
+    v_buffers: list
+    req_to_token: torch.Tensor
+    allocator: object
+    num_q_heads: int
+    head_dim: int
+    start_layer: int
+    queries: torch.Tensor | None  # ring [layers, rows, window, H_q, D] of post-RoPE queries
+    stats: EvictionStats = field(default_factory=EvictionStats)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_buffers)
+
+    def capture_queries(self, layer_id: int, q: torch.Tensor, forward_batch) -> None:
+        """Write the post-RoPE queries of the last `window` positions of each request into the
+        ring at position % window. Decode: an index_put_ on device tensors, no host sync, so it
+        stays valid under CUDA-graph capture."""
+        ring = self.queries[layer_id - self.start_layer]
+        window = self.cfg.window
+        mode = forward_batch.forward_mode
+        q = q.reshape(q.shape[0], self.num_q_heads, self.head_dim)
+        positions = forward_batch.positions
+        if mode.is_decode():
+            n = forward_batch.req_pool_indices.shape[0]
+            ring[forward_batch.req_pool_indices, positions[:n] % window] = q[:n].to(ring.dtype)
+        elif mode.is_extend() and forward_batch.extend_seq_lens is not None:
+            # Only the last `window` tokens of each request: positions are then distinct
+            # modulo window, so index_put_ has no duplicate targets.
+            lens = forward_batch.extend_seq_lens
+            rows = torch.repeat_interleave(forward_batch.req_pool_indices, lens)
+            ends = torch.repeat_interleave(forward_batch.seq_lens, lens)
+            n = rows.shape[0]
+            pos = positions[:n]
+            mask = pos >= ends - window
+            ring[rows[mask], pos[mask] % window] = q[:n][mask].to(ring.dtype)
+
+    def evict(self, batch, skip=()) -> int:
+        """Run the eviction step on a running decode batch; returns the slots freed."""
+        cfg = self.cfg
+        trigger = cfg.budget + cfg.window
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, req in enumerate(batch.reqs):
+            if req in skip or req.kv.req_pool_idx is None:
+                continue
+            kv = req.kv
+            if kv.kv_committed_len != kv.kv_allocated_len:
+                continue  # only speculative decoding over-allocates; rejected at startup
+            private = kv.kv_allocated_len - kv.cache_protected_len
+            if private >= trigger:
+                n = private - cfg.window
+                sinks = max(0, cfg.sinks - kv.cache_protected_len)
+                groups.setdefault((n, sinks), []).append(i)
+        if not groups:
+            return 0
+        start = time.perf_counter()
+        freed = []
+        new_lens = {}
+        for (n, sinks), members in groups.items():
+            freed.append(self._evict_group(batch, members, n, sinks, new_lens))
+        slots = torch.cat(freed)
+        self.allocator.free(slots)
+        self._update_batch_lengths(batch, new_lens)
+        batch.batch_is_full = False  # admission was closed on a full pool; it has room now
+        elapsed = time.perf_counter() - start
+        self.stats.seconds += elapsed
+        self.stats.slots_freed += int(slots.numel())
+        logger.debug(
+            "evicted %d requests, freed %d slots in %.2f ms",
+            len(new_lens), slots.numel(), elapsed * 1e3,
+        )
+        return int(slots.numel())
+
+    def _evict_group(self, batch, members, n, sinks, new_lens) -> torch.Tensor:
+        cfg = self.cfg
+        reqs = [batch.reqs[i] for i in members]
+        device = self.req_to_token.device
+        rows = torch.tensor([r.kv.req_pool_idx for r in reqs], device=device, dtype=torch.int64)
+        starts = torch.tensor([r.kv.cache_protected_len for r in reqs], device=device)
+        cols = starts[:, None] + torch.arange(n + cfg.window, device=device)
+        row_slots = self.req_to_token[rows[:, None], cols].long()  # [B, n + R]
+        slots, newest = row_slots[:, :n], row_slots[:, n:]
+
+        policy = POLICIES[cfg.policy]
+        keys, values = self._gather_kv(slots, policy.reads_kv)
+        queries = None
+        if policy.needs_queries:
+            queries = self.queries[:, rows].permute(1, 0, 3, 2, 4)  # [B, L, H_q, W, D]
+        request = torch.tensor([_request_key(r) for r in reqs], device=device)
+        rounds = torch.tensor([getattr(r, ROUNDS, 0) for r in reqs], device=device)
+        layers = torch.arange(self.start_layer, self.start_layer + self.num_layers, device=device)
+        keep = select_tokens(
+            cfg, keys, values, queries,
+            request=request[:, None], layer=layers[None, :], round=rounds[:, None],
+            sinks=sinks, check=False,
+        )
+        compact_kv_(self.k_buffers, self.v_buffers, slots, keep, ascending=policy.ascending)
+
+        k = keep.shape[-1]  # cfg.keep for the built-in policies; a custom one may keep all
+        self.req_to_token[rows[:, None], starts[:, None] + k + torch.arange(cfg.window, device=device)] = (
+            newest.to(self.req_to_token.dtype)
+        )
+        dropped = n - k
+        if dropped:
+            self.stats.tokens_evicted += dropped * len(reqs)
+        for i, req in zip(members, reqs):
+            kv = req.kv
+            kv.kv_allocated_len -= dropped
+            kv.kv_committed_len -= dropped
+            setattr(req, OFFSET, getattr(req, OFFSET, 0) + dropped)
+            setattr(req, EVICTED, getattr(req, EVICTED, 0) + dropped)
+            setattr(req, ROUNDS, getattr(req, ROUNDS, 0) + 1)
+            if not hasattr(req, SAVED_SKIP):
+                # Compacted slots no longer hold the true tokens at their positions: inserting
+                # them into the radix tree at finish would poison it (and double-free).
+                setattr(req, SAVED_SKIP, req.skip_radix_cache_insert)
+                req.skip_radix_cache_insert = True
+            new_lens[i] = kv.kv_allocated_len
+        self.stats.evictions += len(reqs)
+        return slots[:, k:].reshape(-1)
+
+    def _gather_kv(self, slots: torch.Tensor, reads_kv: bool):
+        b, n = slots.shape
+        h, d = self.k_buffers[0].shape[1], self.k_buffers[0].shape[2]
+        if not reads_kv:  # random / streaming: shapes only, no copy
+            dummy = torch.zeros((), device=slots.device).expand(b, self.num_layers, h, n, d)
+            return dummy, dummy
+        keys = torch.stack([buf[slots] for buf in self.k_buffers], dim=1).transpose(2, 3)
+        values = torch.stack([buf[slots] for buf in self.v_buffers], dim=1).transpose(2, 3)
+        return keys, values
+
+    @staticmethod
+    def _update_batch_lengths(batch, new_lens: dict[int, int]) -> None:
+        # New tensors, never in place: under the overlap scheduler the previous forward
+        # may still hold references to the old ones.
+        idx = list(new_lens)
+        lens = list(new_lens.values())
+        seq_lens_cpu = batch.seq_lens_cpu.clone()
+        seq_lens_cpu[idx] = torch.tensor(lens, dtype=seq_lens_cpu.dtype)
+        delta = batch.seq_lens_cpu - seq_lens_cpu
+        batch.seq_lens_cpu = seq_lens_cpu
+        batch.seq_lens = batch.seq_lens - delta.to(batch.seq_lens.device, batch.seq_lens.dtype)
+        if getattr(batch, "orig_seq_lens", None) is not None:
+            batch.orig_seq_lens = batch.orig_seq_lens - delta.to(
+                batch.orig_seq_lens.device, batch.orig_seq_lens.dtype
+            )
+        batch.seq_lens_sum = None
+
+
+def _request_key(req) -> int:
+    """Stable id of a request for its random draws: its sampling seed if the user set one,
+    else a hash of its rid (so a user-chosen rid reproduces a run)."""
+    seed = getattr(req.sampling_params, "sampling_seed", None)
+    if seed is not None:
+        return int(seed) & 0x7FFFFFFF
+    return zlib.crc32(str(req.rid).encode())
+
+
+def reset_request(req) -> None:
+    """A retracted request re-prefills its true length: it starts over, uncompacted."""
+    for name in (OFFSET, ROUNDS):
+        if hasattr(req, name):
+            setattr(req, name, 0)
+    if hasattr(req, SAVED_SKIP):
+        req.skip_radix_cache_insert = getattr(req, SAVED_SKIP)
+        delattr(req, SAVED_SKIP)
+
+
+RUNTIME: EvictionRuntime | None = None

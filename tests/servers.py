@@ -1,0 +1,131 @@
+"""Start and stop real SGLang servers (python -m sglang.launch_server) for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+CPU_FLAGS = [
+    "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+    "--sleep-on-idle", "--host", "127.0.0.1",
+]
+STRICT_ENV = {
+    # SGLang's own memory checks: conservation every busy step, page ownership
+    # (use-after-free, double free), and the idle leak check (strict by default).
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+    "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("VASE_KV_EVICT_") and k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(STRICT_ENV)
+    env.update(extra or {})
+    return env
+
+
+class Server:
+    def __init__(self, model: str, args=(), env: dict | None = None, max_total_tokens: int = 4096,
+                 timeout: float = 180.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS,
+               "--port", str(self.port), "--max-total-tokens", str(max_total_tokens), *args]
+        self.proc = subprocess.Popen(cmd, env=server_env(env), stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            try:
+                self.get("/model_info", timeout=5)
+                return
+            except (OSError, urllib.error.URLError):
+                time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def get(self, path: str, timeout: float = 30):
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, payload: dict, timeout: float = 300):
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def generate(self, text=None, *, input_ids=None, max_new_tokens=64, **kwargs) -> dict:
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": 0}
+        sampling.update(kwargs.pop("sampling_params", {}))
+        payload = {"sampling_params": sampling, **kwargs}
+        if input_ids is not None:
+            payload["input_ids"] = input_ids
+        else:
+            payload["text"] = text
+        return self.post("/generate", payload)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_idle_checked(self, seconds: float = 3.0) -> None:
+        """Let the scheduler go idle (where SGLang runs its strict leak check) and make sure it
+        survived: a leak raises inside the scheduler and takes the server down."""
+        time.sleep(seconds)
+        assert self.alive(), self.output()[-4000:]
+        self.generate("ping", max_new_tokens=2)
+        assert "memory leak" not in self.output(), self.output()[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the launcher stops its own children
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the process group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def run_launch_server_expect_failure(model: str, args, env=None, timeout: float = 120) -> tuple[int, str]:
+    """Launch a server that must refuse to start; returns (exit code, combined output)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS,
+           "--port", str(port), "--max-total-tokens", "4096", *args]
+    try:
+        proc = subprocess.run(cmd, env=server_env(env), capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"server did not exit: {err.stdout}\n{err.stderr}") from None
+    return proc.returncode, proc.stdout + proc.stderr
