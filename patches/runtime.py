@@ -4,6 +4,7 @@ One `EvictionRuntime` lives in each scheduler process (built when the model runn
 pool). The step, per request whose private cache (tokens not owned by the radix tree) holds
 n + window tokens with n >= budget:
 
+  0. only after the request's first decode step (its prefill result has been processed);
   1. candidates = the n oldest private tokens; the newest `window` are never candidates;
   2. `select_tokens` picks K = budget - window of them per (layer, KV head);
   3. `compact_kv_` moves the kept K/V of every layer and head into the first K candidate slots;
@@ -94,6 +95,11 @@ class EvictionRuntime:
         for i, req in enumerate(batch.reqs):
             if req in skip or req.kv.req_pool_idx is None:
                 continue
+            if req.decode_batch_idx < 1:
+                # Under the overlap scheduler the first decode step is prepared before the
+                # prefill result is processed, i.e. before the radix tree takes the prompt
+                # (cache_protected_len is still the old match): the prompt would look private.
+                continue
             kv = req.kv
             if kv.kv_committed_len != kv.kv_allocated_len:
                 continue  # only speculative decoding over-allocates; rejected at startup
@@ -116,10 +122,12 @@ class EvictionRuntime:
         elapsed = time.perf_counter() - start
         self.stats.seconds += elapsed
         self.stats.slots_freed += int(slots.numel())
-        logger.debug(
-            "evicted %d requests, freed %d slots in %.2f ms",
-            len(new_lens), slots.numel(), elapsed * 1e3,
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "evicted %d requests, freed %d slots in %.2f ms: %s",
+                len(new_lens), slots.numel(), elapsed * 1e3,
+                ", ".join(f"{batch.reqs[i].rid}: kv {n}" for i, n in new_lens.items()),
+            )
         return int(slots.numel())
 
     def _evict_group(self, batch, members, n, sinks, new_lens) -> torch.Tensor:

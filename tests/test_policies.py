@@ -254,3 +254,25 @@ def test_bad_inputs_name_the_argument():
     bad_v[0, 0, 0, 5, 0] = float("nan")
     with pytest.raises(ValueError, match="^scores:"):
         select_tokens(cfg.replace(policy="vase-dkv", value_slots=None), k, bad_v, q)
+
+
+@pytest.mark.parametrize("policy", ["vase-attnv", "evict-large-values"])
+def test_exact_ties_go_to_the_older_token_whatever_the_batch_shape(policy):
+    # Repeated tokens give identical V in the first layer: exact ties in Range(v).
+    cfg = EvictionConfig(policy=policy, budget=40, window=8, value_slots=None if policy != "vase-attnv" else 8,
+                         sinks=0)
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 6, 16, generator=g)
+    values = base[:, torch.arange(48) % 6]  # every vector repeated 8 times: ranges tie
+    keys = torch.randn(2, 48, 16, generator=g)
+    queries = torch.randn(4, 8, 16, generator=g)
+    alone = select_tokens(cfg, keys, values, queries, request=3, layer=0, round=1)
+    batched = select_tokens(cfg, torch.stack([keys] * 5), torch.stack([values] * 5),
+                            torch.stack([queries] * 5), request=3, layer=torch.zeros(5, dtype=torch.long),
+                            round=1)
+    assert all(torch.equal(alone, b) for b in batched)
+    if policy == "evict-large-values":
+        # The 32 smallest ranges are 4 vectors x 8 copies; with ties resolved to the older
+        # copies, every kept index of a vector precedes every dropped one.
+        spread = value_range_reference(values)
+        assert torch.equal(alone, (-spread).sort(dim=-1, descending=True, stable=True).indices[..., :32].sort().values)

@@ -24,6 +24,15 @@ from . import ops, rng
 from .config import EvictionConfig
 
 
+def top_indices(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim; ties go to the older token.
+
+    Exact ties are common (in the first layer, V depends on the token id alone, so repeated
+    tokens have equal value ranges) and topk breaks them in an unspecified order that can
+    change with batch shape; a stable sort makes the choice reproducible everywhere."""
+    return score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 @dataclass(frozen=True)
 class Draws:
     """Random streams of one batched eviction step: one 32-bit key per batch element.
@@ -107,8 +116,7 @@ class Policy:
             # Clamping keeps zero-weight tokens drawable (uniformly, after all positive ones).
             score = score.clamp_min(1e-30).log() + draws.gumbel(score.shape[-2:])
         score = score.masked_fill(self.forced(keys, values, sinks), float("inf"))
-        keep = score.topk(self.cfg.keep, dim=-1, sorted=False).indices
-        return keep.sort(dim=-1).values
+        return top_indices(score, self.cfg.keep).sort(dim=-1).values
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,7 @@ class VaseAttnVPolicy(SnapKVPolicy):
         n_value = self.cfg.n_value_slots
         if n_value:
             spread = ops.value_range(values).masked_fill(mask, float("-inf"))
-            mask.scatter_(-1, spread.topk(n_value, dim=-1, sorted=False).indices, True)
+            mask.scatter_(-1, top_indices(spread, n_value), True)
         return mask
 
 

@@ -1,0 +1,213 @@
+"""Eviction inside a real SGLang server on CPU (tiny fp32 Qwen3, radix cache on, strict
+memory checks on): faithfulness to a plain-transformers reference, footprint bound, shared
+prefixes, aborts and edge cases."""
+
+import json
+import re
+import threading
+import urllib.request
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from servers import Server
+from vase_sglang import EvictionConfig
+from vase_sglang.hf_reference import ReferenceDecoder
+
+BUDGET, WINDOW = 32, 8
+TRIGGER = BUDGET + WINDOW
+torch.set_num_threads(1)
+
+
+def _args(policy, *extra):
+    return ["--dtype", "float32", "--kv-evict-policy", policy, "--kv-evict-budget", str(BUDGET),
+            "--kv-evict-window", str(WINDOW), "--kv-evict-seed", "5", *extra]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_fp32):
+    return AutoTokenizer.from_pretrained(tiny_model_fp32)
+
+
+@pytest.fixture(scope="module")
+def snapkv_server(tiny_model_fp32):
+    with Server(tiny_model_fp32, _args("snapkv", "--decode-log-interval", "1")) as server:
+        yield server
+
+
+def _served(server, prompt_ids, n, seed=77):
+    out = server.generate(input_ids=prompt_ids, max_new_tokens=n, return_logprob=True,
+                          sampling_params={"ignore_eos": True, "sampling_seed": seed})
+    return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
+
+
+def _reference(model, policy, prompt_ids, forced, request_key=77, budget=BUDGET):
+    cfg = EvictionConfig(policy=policy, budget=budget, window=WINDOW, seed=5)
+    return ReferenceDecoder.from_pretrained(model, cfg).run(
+        prompt_ids, forced_ids=forced, request_key=request_key)
+
+
+def _max_diff(a, b):
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    first = next((i for i, d in enumerate(diffs) if d > TOL), None)
+    print(f"max logprob diff {max(diffs):.3g}, first above {TOL} at token {first}")
+    return max(diffs)
+
+
+# Tolerance: both sides run fp32; what remains is kernel summation order (observed ~2e-6).
+TOL = 1e-4
+
+
+def test_faithful_to_transformers_reference_snapkv(snapkv_server, tiny_model_fp32, tokenizer):
+    prompt = tokenizer("Hello world, the capital of France is")["input_ids"]
+    tokens, logprobs, meta = _served(snapkv_server, prompt, 220)
+    ref = _reference(tiny_model_fp32, "snapkv", prompt, tokens)
+    assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"] > 0
+    assert len(tokens) == 220
+    assert _max_diff(logprobs, ref["logprobs"]) < TOL
+    # The comparison can fail: a reference with another budget diverges after its evictions.
+    other = _reference(tiny_model_fp32, "snapkv", prompt, tokens, budget=BUDGET + WINDOW)
+    assert _max_diff(logprobs, other["logprobs"]) > 1e-2
+
+
+def test_faithful_to_transformers_reference_vase_attnv(tiny_model_fp32, tokenizer):
+    prompt = tokenizer("KV cache eviction policy radix tree")["input_ids"]
+    with Server(tiny_model_fp32, _args("vase-attnv")) as server:
+        tokens, logprobs, meta = _served(server, prompt, 220, seed=77)
+        server.wait_idle_checked()
+    ref = _reference(tiny_model_fp32, "vase-attnv", prompt, tokens, request_key=77)
+    assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"]
+    assert _max_diff(logprobs, ref["logprobs"]) < TOL
+    # Another random stream (request key) samples other tokens and diverges.
+    other = _reference(tiny_model_fp32, "vase-attnv", prompt, tokens, request_key=78)
+    assert _max_diff(logprobs, other["logprobs"]) > 1e-2
+
+
+def _token_usage(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"Decode batch.*?#token: (\d+)", log)]
+
+
+def test_footprint_stays_within_prompt_plus_budget_plus_window(snapkv_server, tokenizer):
+    prompt = tokenizer("0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20")["input_ids"]
+    before = len(_token_usage(snapkv_server.output()))
+    tokens, _, meta = _served(snapkv_server, prompt, 300)
+    usage = _token_usage(snapkv_server.output())[before:]
+    assert len(tokens) == 300, "generation must reach max_new_tokens well past the budget"
+    assert meta["kv_evicted_tokens"] > 200
+    assert usage and max(usage) <= len(prompt) + TRIGGER, usage
+    snapkv_server.wait_idle_checked()
+
+
+def test_concurrent_requests_share_the_prefix_untouched(snapkv_server, tokenizer):
+    common = "KV cache eviction policy radix tree prefix sharing memory pool token " * 4
+    suffixes = [" The quick brown fox", " Hello world!", " 0 1 2 3", " Paris is the capital"]
+    prompts = [tokenizer(common + s)["input_ids"] for s in suffixes]
+    alone = [_served(snapkv_server, p, 120)[0] for p in prompts]
+
+    before = len(_token_usage(snapkv_server.output()))
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = _served(snapkv_server, prompts[i], 120)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    usage = _token_usage(snapkv_server.output())[before:]
+    shared = len(tokenizer(common)["input_ids"])
+    for i, (tokens, _, meta) in enumerate(results):
+        assert tokens == alone[i], f"request {i} differs when run with the others"
+        assert meta["kv_evicted_tokens"] > 0
+        assert meta["cached_tokens"] >= shared - 1
+    # Several requests in the batch at once, each capped at its prompt + T + R.
+    bound = sum(len(p) for p in prompts) + len(prompts) * TRIGGER
+    assert usage and max(usage) <= bound
+    # The shared prefix slots were not rewritten: served from the cache once more, every
+    # prompt still gives its original output.
+    again = [_served(snapkv_server, p, 120) for p in prompts]
+    for i, (tokens, _, meta) in enumerate(again):
+        assert meta["cached_tokens"] >= len(prompts[i]) - 1
+        assert tokens == alone[i]
+    snapkv_server.wait_idle_checked()
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1, WINDOW])
+def test_finishing_at_an_eviction_boundary(snapkv_server, tokenizer, extra):
+    # The first eviction runs before the decode step that follows TRIGGER private tokens,
+    # i.e. when the output holds TRIGGER + 1 tokens; later ones every WINDOW tokens.
+    prompt = tokenizer("Hello world!")["input_ids"]
+    n = TRIGGER + 1 + extra
+    tokens, logprobs, meta = _served(snapkv_server, prompt, n)
+    assert len(tokens) == n
+    rounds = 0 if n <= TRIGGER + 1 else 1 + (n - TRIGGER - 2) // WINDOW
+    assert meta["kv_evicted_tokens"] == rounds * WINDOW
+    snapkv_server.wait_idle_checked(1)
+
+
+def test_max_new_tokens_below_budget_evicts_nothing(snapkv_server, tokenizer):
+    tokens, _, meta = _served(snapkv_server, tokenizer("Hello")["input_ids"], BUDGET - 4)
+    assert len(tokens) == BUDGET - 4 and meta["kv_evicted_tokens"] == 0
+
+
+def test_prompt_longer_than_budget_is_protected_with_radix_on(snapkv_server, tokenizer):
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]
+    assert len(prompt) > 2 * TRIGGER
+    tokens, _, meta = _served(snapkv_server, prompt, 100)
+    assert len(tokens) == 100
+    # Only decode tokens are private: (100 - 1 - TRIGGER) // WINDOW + 1 rounds of WINDOW.
+    assert meta["kv_evicted_tokens"] == ((100 - 2 - TRIGGER) // WINDOW + 1) * WINDOW
+
+
+def test_abort_mid_generation_frees_everything(snapkv_server, tokenizer):
+    prompt = tokenizer("KV cache eviction")["input_ids"]
+    payload = {"input_ids": prompt, "stream": True, "rid": "abort-me",
+               "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(snapkv_server.url + "/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    seen = 0
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        for line in stream:
+            if line.startswith(b"data:") and b"[DONE]" not in line:
+                chunk = json.loads(line[5:])
+                seen = chunk["meta_info"]["completion_tokens"]
+                if seen > TRIGGER + 3 * WINDOW:
+                    snapkv_server.post("/abort_request", {"rid": "abort-me"})
+                    break
+    assert seen > TRIGGER
+    snapkv_server.wait_idle_checked()
+    # Still serving, with the same outputs as before.
+    assert len(_served(snapkv_server, prompt, 60)[0]) == 60
+
+
+def test_many_requests_evicting_in_the_same_step(snapkv_server, tokenizer):
+    prompts = [tokenizer(f"Number {i}: 0 1 2 3")["input_ids"] for i in range(8)]
+    alone = [_served(snapkv_server, p, 90)[0] for p in prompts]
+    out = snapkv_server.post("/generate", {
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": 90, "temperature": 0, "ignore_eos": True}})
+    assert [o["output_ids"] for o in out] == alone
+    assert all(o["meta_info"]["kv_evicted_tokens"] == out[0]["meta_info"]["kv_evicted_tokens"] > 0
+               for o in out)
+    snapkv_server.wait_idle_checked()
+
+
+def test_radix_off_evicts_the_prompt_too(tiny_model_fp32, tokenizer):
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]
+    args = _args("streaming", "--disable-radix-cache", "--decode-log-interval", "1")
+    with Server(tiny_model_fp32, args) as server:
+        tokens, logprobs, meta = _served(server, prompt, 60)
+        usage = _token_usage(server.output())
+        server.wait_idle_checked()
+    assert len(tokens) == 60
+    # Whole row private: the first step already exceeds T + R and cuts the prompt back.
+    assert meta["kv_evicted_tokens"] >= len(prompt) - BUDGET
+    # The prompt is cut back before the second decode step (never before the first: see
+    # runtime.evict); from then on the request holds at most T + R.
+    assert usage[0] <= len(prompt) + 1 and max(usage[1:]) <= TRIGGER, usage
+    model = tiny_model_fp32
+    cfg = EvictionConfig(policy="streaming", budget=BUDGET, window=WINDOW, seed=5)
+    ref = ReferenceDecoder.from_pretrained(model, cfg, protect_prompt=False).run(prompt, forced_ids=tokens)
+    assert _max_diff(logprobs, ref["logprobs"]) < TOL

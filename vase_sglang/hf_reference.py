@@ -1,0 +1,123 @@
+"""A plain transformers decode loop with the same eviction semantics as the SGLang plugin.
+
+It is the yardstick of engine faithfulness (served logprobs vs this loop) and the engine of
+teacher-forced fidelity measurements. Semantics mirrored from the plugin:
+  - the prompt is the protected prefix (the radix tree owns it) unless protect_prompt=False;
+  - before decoding a token (not right after the prefill), if the private cache holds n + window tokens with n >= budget,
+    the policy keeps budget - window of the n oldest private tokens per (layer, KV head);
+  - the window queries are the post-RoPE queries of the last `window` processed positions;
+  - RoPE positions stay the true positions; draws are keyed by (seed, request key, layer, round).
+
+Supports the Llama-style families whose attention calls a module-level
+`apply_rotary_pos_emb(q, k, cos, sin)` (Qwen2, Qwen3, Llama): the queries are recorded there.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+
+import torch
+
+from .config import EvictionConfig
+from .policies import select_tokens
+
+
+class ReferenceDecoder:
+    def __init__(self, model, cfg: EvictionConfig, *, protect_prompt: bool = True):
+        self.model = model.eval()
+        self.cfg = cfg
+        self.protect_prompt = protect_prompt
+        self._queries: list[torch.Tensor] = []
+        arch = type(model).__module__
+        self._modeling = importlib.import_module(arch)
+        if not hasattr(self._modeling, "apply_rotary_pos_emb"):
+            raise ValueError(f"model: {arch} has no apply_rotary_pos_emb to record queries from")
+
+    @classmethod
+    def from_pretrained(cls, path, cfg, dtype=torch.float32, **kwargs):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return cls(model, cfg, **kwargs)
+
+    @contextmanager
+    def _record_queries(self):
+        original = self._modeling.apply_rotary_pos_emb
+
+        def recording(q, k, cos, sin, *args, **kwargs):
+            q_embed, k_embed = original(q, k, cos, sin, *args, **kwargs)
+            self._queries.append(q_embed.detach())  # [B, H_q, T, D], one call per layer
+            return q_embed, k_embed
+
+        self._modeling.apply_rotary_pos_emb = recording
+        try:
+            yield
+        finally:
+            self._modeling.apply_rotary_pos_emb = original
+
+    @torch.no_grad()
+    def run(self, prompt_ids, *, max_new_tokens: int = 0, forced_ids=None, request_key: int = 0):
+        """Greedy decode (or teacher-forced on `forced_ids`). Returns dict with `tokens`,
+        `logprobs` (of each emitted/forced token), `evicted` (per layer/head) and `rounds`."""
+        from transformers import DynamicCache
+
+        cfg = self.cfg
+        steps = len(forced_ids) if forced_ids is not None else max_new_tokens
+        cache = DynamicCache()
+        window_q: list[list[torch.Tensor]] = []  # per layer: recent [H_q, D] queries
+        tokens, logprobs = [], []
+        prefix = len(prompt_ids) if self.protect_prompt else 0
+        offset = rounds = 0
+        with self._record_queries():
+            ids = torch.tensor([list(prompt_ids)])
+            pos = torch.arange(len(prompt_ids))[None]
+            for step in range(steps):
+                self._queries.clear()
+                phys = cache.get_seq_length()
+                out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache,
+                                 cache_position=torch.arange(phys, phys + ids.shape[1]),
+                                 use_cache=True)
+                self._push_queries(window_q)
+                logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                token = int(forced_ids[step]) if forced_ids is not None else int(logp.argmax())
+                tokens.append(token)
+                logprobs.append(float(logp[token]))
+                if step == steps - 1:
+                    break
+                private = cache.get_seq_length() - prefix
+                # As the server: never before the first decode step (step 0 is the prefill).
+                if cfg.evicts and step >= 1 and private >= cfg.budget + cfg.window:
+                    dropped = self._evict(cache, window_q, prefix, private - cfg.window,
+                                          request_key, rounds)
+                    offset += dropped
+                    rounds += 1
+                true_pos = cache.get_seq_length() + offset
+                ids, pos = torch.tensor([[token]]), torch.tensor([[true_pos]])
+        return {"tokens": tokens, "logprobs": logprobs, "evicted": offset, "rounds": rounds}
+
+    def _push_queries(self, window_q):
+        if not window_q:
+            window_q.extend([] for _ in self._queries)
+        for layer, q in enumerate(self._queries):
+            window_q[layer].extend(q[0].transpose(0, 1))  # T x [H_q, D]
+            del window_q[layer][: -self.cfg.window]
+
+    def _evict(self, cache, window_q, prefix, n, request_key, rounds) -> int:
+        cfg = self.cfg
+        layers = cache.layers
+        keys = torch.stack([lay.keys[0, :, prefix: prefix + n] for lay in layers])  # [L, H, n, D]
+        values = torch.stack([lay.values[0, :, prefix: prefix + n] for lay in layers])
+        queries = torch.stack([torch.stack(q, dim=1) for q in window_q])  # [L, H_q, W, D]
+        keep = select_tokens(
+            cfg, keys, values, queries, request=request_key,
+            layer=torch.arange(len(layers)), round=rounds,
+            sinks=max(0, cfg.sinks - prefix),
+        )  # [L, H, K]
+        for layer, lay in enumerate(layers):
+            for name in ("keys", "values"):
+                full = getattr(lay, name)
+                cand = full[:, :, prefix: prefix + n]
+                kept = torch.gather(cand, 2, keep[layer][None, :, :, None].expand(1, -1, -1, full.shape[-1]))
+                setattr(lay, name, torch.cat([full[:, :, :prefix], kept, full[:, :, prefix + n:]], dim=2))
+        return n - keep.shape[-1]
