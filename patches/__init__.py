@@ -4,6 +4,7 @@ SGLang calls `register()` (entry point group `sglang.srt.plugins`) at the start 
 its processes. Each module here hooks one SGLang subsystem and lists its exact targets:
 
   server_args   ServerArgs.add_cli_args / from_cli_args / resolve_once   flags, validation
+  memory        KVCacheConfigurator._profile_available_bytes             query ring reserved
   model_runner  ModelRunner._init_post_memory_pool_components            eviction runtime
                 RadixAttention.forward                                   query capture
                 ForwardBatch.init_new                                    RoPE positions
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import pkgutil
 
-from . import model_runner, output, rotary_cpu, scheduler, server_args, settings
+from . import memory, model_runner, output, rotary_cpu, scheduler, server_args, settings
 from .settings import configure
 
 logger = logging.getLogger("vase_sglang")
@@ -32,7 +33,7 @@ def planned_hooks(cfg) -> list[tuple[str, str, object]]:
     if rotary_cpu.needed():
         hooks += rotary_cpu.HOOKS
     if cfg is not None and cfg.evicts:
-        hooks += model_runner.HOOKS + scheduler.HOOKS + output.SCHEDULER_HOOKS
+        hooks += memory.HOOKS + model_runner.HOOKS + scheduler.HOOKS + output.SCHEDULER_HOOKS
     return hooks
 
 
