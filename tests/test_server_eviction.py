@@ -211,3 +211,23 @@ def test_radix_off_evicts_the_prompt_too(tiny_model_fp32, tokenizer):
     cfg = EvictionConfig(policy="streaming", budget=BUDGET, window=WINDOW, seed=5)
     ref = ReferenceDecoder.from_pretrained(model, cfg, protect_prompt=False).run(prompt, forced_ids=tokens)
     assert _max_diff(logprobs, ref["logprobs"]) < TOL
+
+
+def test_retracting_compacted_requests_frees_what_they_own(tiny_model_fp32, tokenizer):
+    # SGLang's test knob retracts a request every 55 forward steps: by then requests hold
+    # more than budget + window private tokens and are compacted, so compacted requests are
+    # released, re-prefilled at their true length (all of it now a cached prefix) and
+    # evicted again once they have generated budget + window more tokens.
+    env = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "55"}
+    prompts = [tokenizer(f"Request {i}: the quick brown fox")["input_ids"] for i in range(4)]
+    with Server(tiny_model_fp32, _args("vase-attnv"), env=env) as server:
+        out = server.post("/generate", {
+            "input_ids": prompts,
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}})
+        server.wait_idle_checked()
+        log = server.output()
+    assert "Testing retraction" in log
+    stats = [(len(o["output_ids"]), o["meta_info"]["num_retractions"],
+              o["meta_info"]["kv_evicted_tokens"]) for o in out]
+    assert all(n == 200 for n, _, _ in stats), stats
+    assert any(r > 0 and e > 0 for _, r, e in stats), stats

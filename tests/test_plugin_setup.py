@@ -1,0 +1,74 @@
+"""Plugin wiring without a server: settings channel, hook plan, target checks, and the
+offline `sgl.Engine` path (a real engine in a subprocess)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import vase_sglang_patches as plugin
+from vase_sglang import EvictionConfig
+from vase_sglang_patches import settings
+
+from servers import server_env
+
+
+def test_env_channel_round_trip(monkeypatch):
+    for suffix in settings.FLAGS:
+        monkeypatch.delenv(settings.env_name(suffix), raising=False)
+    assert settings.config_from_env() is None
+    cfg = plugin.configure(policy="vase-dkv", budget=256, window=32, seed=9)
+    assert cfg == EvictionConfig(policy="vase-dkv", budget=256, window=32, seed=9)
+    assert os.environ["VASE_KV_EVICT_BUDGET"] == "256"
+    assert settings.config_from_env() == cfg
+    with pytest.raises(ValueError, match="^budget:"):
+        plugin.configure(policy="vase-dkv", budget=16, window=32)
+    with pytest.raises(ValueError, match="^budgt:"):
+        plugin.configure(policy="vase-dkv", budgt=16)
+
+
+def test_every_planned_hook_target_exists_in_the_installed_sglang():
+    hooks = plugin.planned_hooks(EvictionConfig())
+    targets = {t for t, _, _ in hooks}
+    assert "sglang.srt.managers.scheduler.Scheduler.update_running_batch" in targets
+    assert "sglang.srt.layers.radix_attention.RadixAttention.forward" in targets
+    plugin.check_targets(hooks)  # raises SystemExit if one is missing
+    # Without eviction only the flags, meta_info and CPU enablement hooks are planned.
+    assert not {t for t, _, _ in plugin.planned_hooks(None)} & {
+        "sglang.srt.managers.scheduler.Scheduler.update_running_batch"}
+
+
+def test_a_missing_target_stops_the_process():
+    with pytest.raises(SystemExit, match="hook targets missing"):
+        plugin.check_targets([("sglang.srt.managers.scheduler.Scheduler.no_such_method", "AFTER", None)])
+
+
+ENGINE_SCRIPT = textwrap.dedent('''
+    import json, sys
+    import sglang as sgl
+    if __name__ == "__main__":
+        llm = sgl.Engine(model_path=sys.argv[1], device="cpu", attention_backend="torch_native",
+                         disable_cuda_graph=True, max_total_tokens=4096, sleep_on_idle=True)
+        out = llm.generate(["Hello world", "KV cache eviction"],
+                           {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True})
+        llm.shutdown()
+        print("RESULT", json.dumps([[len(o["output_ids"]), o["meta_info"].get("kv_evicted_tokens")] for o in out]))
+''')
+
+
+def test_offline_engine_evicts_with_environment_settings(tiny_model, tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_SCRIPT)
+    env = server_env({"VASE_KV_EVICT_POLICY": "vase-attnv", "VASE_KV_EVICT_BUDGET": "32",
+                      "VASE_KV_EVICT_WINDOW": "8"})
+    proc = subprocess.run([sys.executable, str(script), tiny_model], env=env, capture_output=True,
+                          text=True, timeout=300)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
+    import json
+
+    for length, evicted in json.loads(line[len("RESULT"):]):
+        # 120 tokens, trigger at 40 private tokens, then every 8: 10 rounds of 8.
+        assert length == 120 and evicted == 80
