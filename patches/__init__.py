@@ -10,6 +10,8 @@ its processes. Each module here hooks one SGLang subsystem and lists its exact t
                 ForwardBatch.init_new                                    RoPE positions
   scheduler     Scheduler.update_running_batch                           the eviction step
                 Req.reset_for_retract                                    retraction
+  admission     PrefillAdder._get_running_request_total_token_offset,    capped footprints
+                schedule_policy.CLIP_MAX_NEW_TOKENS
   output        SchedulerOutputStreamer / TokenizerManager               meta_info count
   rotary_cpu    RotaryEmbedding.__init__                                 CPU serving without vllm
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import pkgutil
 
-from . import memory, model_runner, output, rotary_cpu, scheduler, server_args, settings
+from . import admission, memory, model_runner, output, rotary_cpu, scheduler, server_args, settings
 from .settings import configure
 
 logger = logging.getLogger("vase_sglang")
@@ -33,15 +35,16 @@ def planned_hooks(cfg) -> list[tuple[str, str, object]]:
     if rotary_cpu.needed():
         hooks += rotary_cpu.HOOKS
     if cfg is not None and cfg.evicts:
-        hooks += memory.HOOKS + model_runner.HOOKS + scheduler.HOOKS + output.SCHEDULER_HOOKS
+        hooks += (memory.HOOKS + model_runner.HOOKS + scheduler.HOOKS + admission.HOOKS
+                  + output.SCHEDULER_HOOKS)
     return hooks
 
 
-def check_targets(hooks) -> None:
+def check_targets(hooks, data_targets=()) -> None:
     """Every target must exist in the installed SGLang. SGLang's HookRegistry only logs a
     failed patch, which would leave eviction silently half-installed, so stop the process."""
     missing = []
-    for target, _kind, _fn in hooks:
+    for target in [t for t, _kind, _fn in hooks] + list(data_targets):
         try:
             pkgutil.resolve_name(target)
         except (ImportError, AttributeError) as err:
@@ -65,7 +68,7 @@ def register() -> None:
         # load_plugins() swallows exceptions; a bad setting must stop the process instead.
         raise SystemExit(f"vase-sglang: {err}") from None
     hooks = planned_hooks(cfg)
-    check_targets(hooks)
+    check_targets(hooks, admission.DATA_TARGETS if cfg is not None and cfg.evicts else ())
     for target, kind, fn in hooks:
         HookRegistry.register(target, fn, HookType[kind])
 
