@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from . import settings
@@ -30,7 +31,7 @@ def after_from_cli_args(result, cls, args):
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     for suffix in settings.FLAGS:  # the flags win over variables left in the environment
-        settings.os.environ.pop(settings.env_name(suffix), None)
+        os.environ.pop(settings.env_name(suffix), None)
     settings.export_to_env(values)
 
 
