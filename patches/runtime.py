@@ -90,7 +90,6 @@ class EvictionRuntime:
     def evict(self, batch, skip=()) -> int:
         """Run the eviction step on a running decode batch; returns the slots freed."""
         cfg = self.cfg
-        trigger = cfg.budget + cfg.window
         groups: dict[tuple[int, int], list[int]] = {}
         for i, req in enumerate(batch.reqs):
             if req in skip or req.kv.req_pool_idx is None:
@@ -104,7 +103,7 @@ class EvictionRuntime:
             if kv.kv_committed_len != kv.kv_allocated_len:
                 continue  # only speculative decoding over-allocates; rejected at startup
             private = kv.kv_allocated_len - kv.cache_protected_len
-            if private >= trigger:
+            if private >= cfg.trigger_len:
                 n = private - cfg.window
                 sinks = max(0, cfg.sinks - kv.cache_protected_len)
                 groups.setdefault((n, sinks), []).append(i)

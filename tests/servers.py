@@ -31,6 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_command(model: str, port: int, max_total_tokens: int, args) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS,
+            "--port", str(port), "--max-total-tokens", str(max_total_tokens), *args]
+
+
 def server_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("VASE_KV_EVICT_") and k != "TRITON_INTERPRET"}
@@ -46,8 +51,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS,
-               "--port", str(self.port), "--max-total-tokens", str(max_total_tokens), *args]
+        cmd = launch_command(model, self.port, max_total_tokens, args)
         self.proc = subprocess.Popen(cmd, env=server_env(env), stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout
@@ -121,9 +125,7 @@ class Server:
 
 def run_launch_server_expect_failure(model: str, args, env=None, timeout: float = 120) -> tuple[int, str]:
     """Launch a server that must refuse to start; returns (exit code, combined output)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS,
-           "--port", str(port), "--max-total-tokens", "4096", *args]
+    cmd = launch_command(model, free_port(), 4096, args)
     try:
         proc = subprocess.run(cmd, env=server_env(env), capture_output=True, text=True,
                               timeout=timeout, start_new_session=True)

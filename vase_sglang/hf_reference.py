@@ -87,7 +87,7 @@ class ReferenceDecoder:
                     break
                 private = cache.get_seq_length() - prefix
                 # As the server: never before the first decode step (step 0 is the prefill).
-                if cfg.evicts and step >= 1 and private >= cfg.budget + cfg.window:
+                if cfg.evicts and step >= 1 and private >= cfg.trigger_len:
                     dropped = self._evict(cache, window_q, prefix, private - cfg.window,
                                           request_key, rounds)
                     offset += dropped
