@@ -24,6 +24,8 @@ if [ "$FLAVOR" = cpu ]; then
   "${PIP[@]}" --no-deps -e .
 else
   "${PIP[@]}" -e ".[test]"
+  # real models and data, listed in requirements-cpu.txt for the CPU path
+  "${PIP[@]}" gguf accelerate==1.15.0 reasoning-gym==0.1.25
 fi
 "$VENV/bin/python" -c "import sglang, torch, vase_sglang, vase_sglang_patches; print('[bootstrap] sglang', sglang.__version__, 'torch', torch.__version__)" >&2
 echo "$KEY" > "$STAMP"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (once), then serve a model with VaSE eviction and answer one request:
-#   bash scripts/demo.sh [--model-path DIR] [--kv-evict-policy P] [--kv-evict-budget T] ...
+#   bash scripts/demo.sh [--tiny | --model-path DIR] [--kv-evict-policy P] [--kv-evict-budget T] ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
