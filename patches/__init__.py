@@ -5,14 +5,22 @@ its processes. Each module here hooks one SGLang subsystem and lists its exact t
 
   server_args   ServerArgs.add_cli_args / from_cli_args / resolve_once   flags, validation
   memory        KVCacheConfigurator._profile_available_bytes             query ring reserved
+                KVCacheConfigurator.resolve_max_num_reqs                 ...and kept a share
   model_runner  ModelRunner._init_post_memory_pool_components            eviction runtime
                 RadixAttention.forward                                   query capture
                 ForwardBatch.init_new                                    RoPE positions
-  scheduler     Scheduler.update_running_batch                           the eviction step
+  scheduler     Scheduler.update_running_batch                           the eviction step,
+                                                                         early when memory is short
+                ScheduleBatch._get_decode_retraction_order               uncompacted retracted first
                 Req.reset_for_retract                                    retraction
-  admission     PrefillAdder._get_running_request_total_token_offset,    capped footprints
+  admission     PrefillAdder.add_one_req / add_chunked_req,              capped footprints
+                PrefillAdder._get_running_request_total_token_offset,
                 schedule_policy.CLIP_MAX_NEW_TOKENS
   output        SchedulerOutputStreamer / TokenizerManager               meta_info count
+  request_control  SamplingParams.verify                                 per-request kv_evict,
+                                                                         HTTP 400 on bad values
+                TokenizerManager._validate_one_request                   400 on out-of-vocab ids
+  metrics       Scheduler.init_metrics_collector                         Prometheus vase:* metrics
   rotary_cpu    RotaryEmbedding.__init__                                 CPU serving without vllm
 """
 
@@ -21,7 +29,8 @@ from __future__ import annotations
 import logging
 import pkgutil
 
-from . import admission, memory, model_runner, output, rotary_cpu, scheduler, server_args, settings
+from . import (admission, memory, metrics, model_runner, output, request_control, rotary_cpu,
+               scheduler, server_args, settings)
 from .settings import configure
 
 logger = logging.getLogger("vase_sglang")
@@ -31,12 +40,14 @@ SUPPORTED_SGLANG = "0.5.23"
 def planned_hooks(cfg) -> list[tuple[str, str, object]]:
     """The hooks this process needs: flags and meta_info everywhere, the eviction machinery
     only where eviction is configured."""
-    hooks = list(server_args.HOOKS) + list(output.FRONTEND_HOOKS)
+    # request_control everywhere: a server without eviction must still answer a request that
+    # asks for it with HTTP 400.
+    hooks = list(server_args.HOOKS) + list(output.FRONTEND_HOOKS) + list(request_control.HOOKS)
     if rotary_cpu.needed():
         hooks += rotary_cpu.HOOKS
     if cfg is not None and cfg.evicts:
         hooks += (memory.HOOKS + model_runner.HOOKS + scheduler.HOOKS + admission.HOOKS
-                  + output.SCHEDULER_HOOKS)
+                  + output.SCHEDULER_HOOKS + metrics.HOOKS)
     return hooks
 
 

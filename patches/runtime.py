@@ -30,6 +30,8 @@ from vase_sglang import EvictionConfig, select_tokens
 from vase_sglang.ops import compact_kv_
 from vase_sglang.policies import POLICIES
 
+from . import metrics, request_control
+
 logger = logging.getLogger("vase_sglang.eviction")
 
 # Attributes this plugin keeps on sglang's Req (Req has no __slots__; Req.kv does).
@@ -37,6 +39,8 @@ OFFSET = "_vase_pos_offset"  # tokens removed from the KV so far: true position 
 EVICTED = "_vase_evicted"  # tokens evicted per (layer, KV head), reported in meta_info
 ROUNDS = "_vase_rounds"
 SAVED_SKIP = "_vase_saved_skip_insert"
+CONFIG = "_vase_config"  # effective EvictionConfig (None = off), see request_config
+_UNSET = object()
 
 
 @dataclass
@@ -87,13 +91,21 @@ class EvictionRuntime:
             mask = pos >= ends - window
             ring[rows[mask], pos[mask] % window] = q[:n][mask].to(ring.dtype)
 
-    def evict(self, batch, skip=()) -> int:
-        """Run the eviction step on a running decode batch; returns the slots freed."""
-        cfg = self.cfg
-        groups: dict[tuple[int, int], list[int]] = {}
+    def evict(self, batch, skip=(), early: bool = False) -> int:
+        """Run the eviction step on a running decode batch; returns the slots freed.
+        With `early` (the next decode step does not fit in the pool) every request over its
+        budget is cut back to it, due or not: an early eviction instead of a retraction. All
+        at once rather than just enough for one step: the pool then has room for many steps,
+        and the requests stay in phase, so the next eviction is again one batched group.
+        Requests are grouped by their effective settings (per-request overrides) and by
+        (n, sinks), so each group is one batched select + compaction."""
+        groups: dict[tuple[EvictionConfig, int, int], list[int]] = {}
         for i, req in enumerate(batch.reqs):
             if req in skip or req.kv.req_pool_idx is None:
                 continue
+            cfg = request_config(req)
+            if cfg is None:
+                continue  # eviction off for this request
             if req.decode_batch_idx < 1:
                 # Under the overlap scheduler the first decode step is prepared before the
                 # prefill result is processed, i.e. before the radix tree takes the prompt
@@ -103,17 +115,16 @@ class EvictionRuntime:
             if kv.kv_committed_len != kv.kv_allocated_len:
                 continue  # only speculative decoding over-allocates; rejected at startup
             private = kv.kv_allocated_len - kv.cache_protected_len
-            if private >= cfg.trigger_len:
-                n = private - cfg.window
-                sinks = max(0, cfg.sinks - kv.cache_protected_len)
-                groups.setdefault((n, sinks), []).append(i)
+            if private >= cfg.trigger_len or (early and private > cfg.budget):
+                _add_to_group(groups, cfg, req, i, private)
         if not groups:
             return 0
         start = time.perf_counter()
         freed = []
         new_lens = {}
-        for (n, sinks), members in groups.items():
-            freed.append(self._evict_group(batch, members, n, sinks, new_lens))
+        evictions, tokens = self.stats.evictions, self.stats.tokens_evicted
+        for (cfg, n, sinks), members in groups.items():
+            freed.append(self._evict_group(batch, cfg, members, n, sinks, new_lens))
         slots = torch.cat(freed)
         self.allocator.free(slots)
         self._update_batch_lengths(batch, new_lens)
@@ -121,6 +132,9 @@ class EvictionRuntime:
         elapsed = time.perf_counter() - start
         self.stats.seconds += elapsed
         self.stats.slots_freed += int(slots.numel())
+        if metrics.METRICS is not None:
+            metrics.METRICS.record(self.stats.evictions - evictions,
+                                   self.stats.tokens_evicted - tokens, int(slots.numel()), elapsed)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "evicted %d requests, freed %d slots in %.2f ms: %s",
@@ -129,8 +143,7 @@ class EvictionRuntime:
             )
         return int(slots.numel())
 
-    def _evict_group(self, batch, members, n, sinks, new_lens) -> torch.Tensor:
-        cfg = self.cfg
+    def _evict_group(self, batch, cfg, members, n, sinks, new_lens) -> torch.Tensor:
         reqs = [batch.reqs[i] for i in members]
         device = self.req_to_token.device
         rows = torch.tensor([r.kv.req_pool_idx for r in reqs], device=device, dtype=torch.int64)
@@ -143,7 +156,7 @@ class EvictionRuntime:
         keys, values = self._gather_kv(slots, policy.reads_kv)
         queries = None
         if policy.needs_queries:
-            queries = self.queries[:, rows].permute(1, 0, 3, 2, 4)  # [B, L, H_q, W, D]
+            queries = self._window_queries(reqs, rows, cfg.window)  # [B, L, H_q, W, D]
         request = torch.tensor([_request_key(r) for r in reqs], device=device)
         rounds = torch.tensor([getattr(r, ROUNDS, 0) for r in reqs], device=device)
         layers = torch.arange(self.start_layer, self.start_layer + self.num_layers, device=device)
@@ -177,6 +190,21 @@ class EvictionRuntime:
         self.stats.evictions += len(reqs)
         return slots[:, k:].reshape(-1)
 
+    def _window_queries(self, reqs, rows: torch.Tensor, window: int) -> torch.Tensor:
+        """The last `window` (<= the ring's size) queries of each request, in the order a ring
+        of exactly `window` entries would hold them (position % window), so a per-request
+        window reproduces a server started with that window bit for bit."""
+        ring_size = self.queries.shape[2]
+        if window == ring_size:
+            return self.queries[:, rows].permute(1, 0, 3, 2, 4)
+        # True length L: the newest query written is at position L - 1.
+        first = torch.tensor([r.kv.kv_allocated_len + getattr(r, OFFSET, 0) - window for r in reqs],
+                             device=rows.device)
+        j = torch.arange(window, device=rows.device)
+        positions = first[:, None] + (j[None, :] - first[:, None]) % window  # p = j (mod window)
+        picked = self.queries[:, rows[:, None], positions % ring_size]  # [L, B, W, H_q, D]
+        return picked.permute(1, 0, 3, 2, 4)
+
     def _gather_kv(self, slots: torch.Tensor, reads_kv: bool):
         b, n = slots.shape
         h, d = self.k_buffers[0].shape[1], self.k_buffers[0].shape[2]
@@ -205,6 +233,12 @@ class EvictionRuntime:
         batch.seq_lens_sum = None
 
 
+def _add_to_group(groups, cfg, req, i, private) -> None:
+    n = private - cfg.window  # candidates: all private tokens but the newest window
+    sinks = max(0, cfg.sinks - req.kv.cache_protected_len)
+    groups.setdefault((cfg, n, sinks), []).append(i)
+
+
 def _request_key(req) -> int:
     """Stable id of a request for its random draws: its sampling seed if the user set one,
     else a hash of its rid (so a user-chosen rid reproduces a run)."""
@@ -212,6 +246,30 @@ def _request_key(req) -> int:
     if seed is not None:
         return int(seed) & 0x7FFFFFFF
     return zlib.crc32(str(req.rid).encode())
+
+
+def request_config(req) -> EvictionConfig | None:
+    """The eviction settings that apply to `req`: its `custom_params.kv_evict` merged over the
+    server's, or None where eviction is off (server or request). Cached on the Req."""
+    rt = RUNTIME
+    if rt is None:
+        return None
+    cached = getattr(req, CONFIG, _UNSET)
+    if cached is _UNSET:
+        try:
+            cached = request_control.effective_config(req.sampling_params.custom_params, rt.cfg)
+        except ValueError as err:
+            # The tokenizer manager rejects these with HTTP 400; only a path that skips
+            # SamplingParams.verify gets here. Serve it with the server's settings.
+            logger.error("request %s: %s; using the server's eviction settings", req.rid, err)
+            cached = rt.cfg
+        setattr(req, CONFIG, cached)
+    return cached
+
+
+def compacted(req) -> bool:
+    """Whether eviction has rewritten this request's cache since it was (re)admitted."""
+    return getattr(req, ROUNDS, 0) > 0
 
 
 def reset_request(req) -> None:

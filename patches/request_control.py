@@ -1,0 +1,125 @@
+"""Per-request eviction control through `sampling_params.custom_params.kv_evict`.
+
+    "custom_params": {"kv_evict": false}                       eviction off for this request
+    "custom_params": {"kv_evict": {"policy": "snapkv", "budget": 256}}   own settings
+
+The dict's keys are EvictionConfig fields (policy, budget, window, value_slots, sinks, seed),
+merged over the server's --kv-evict-* settings; `true` or `{}` means the server's settings,
+`"policy": "full"` means off. `custom_params` is a stock SGLang sampling parameter, so it
+reaches the scheduler through /generate, /v1/completions and /v1/chat/completions (top-level
+`custom_params` there) and sgl.Engine alike.
+
+Validation runs in the tokenizer manager process, in SamplingParams.verify: SGLang's HTTP
+handlers turn the ValueError it raises into HTTP 400 (the OpenAI routes into an error response
+with status 400), and the server keeps serving. Messages start with `kv_evict.<field>`.
+The scheduler re-derives the config from the same dict (`effective_config`) once per request.
+"""
+
+from __future__ import annotations
+
+from vase_sglang import EvictionConfig
+from vase_sglang.policies import POLICIES
+
+KEY = "kv_evict"
+FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed")
+TARGET_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
+
+
+def _fail(field: str | None, message: str):
+    raise ValueError(f"{KEY}.{field}: {message}" if field else f"{KEY}: {message}")
+
+
+def effective_config(custom_params, server_cfg: EvictionConfig | None) -> EvictionConfig | None:
+    """The settings for one request: None = no eviction. Raises ValueError naming
+    `kv_evict.<field>` for values the server cannot apply."""
+    value = custom_params.get(KEY) if isinstance(custom_params, dict) else None
+    server = server_cfg if server_cfg is not None and server_cfg.evicts else None
+    if value is None:
+        return server
+    if value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        _fail(None, f"expected false, true or an object with keys {', '.join(FIELDS)}; "
+                    f"got {value!r}")
+    unknown = sorted(set(value) - set(FIELDS))
+    if unknown:
+        _fail(unknown[0], f"unknown setting; use {', '.join(FIELDS)}")
+    if value.get("policy") == "full":
+        return None
+    if server is None:
+        # The eviction machinery (query capture, positions, the step) is only installed in
+        # servers started with a policy.
+        _fail(None, "this server was started without --kv-evict-policy, so it cannot evict; "
+                    "start it with --kv-evict-policy (requests can still turn eviction off)")
+    for field in ("budget", "window", "value_slots", "sinks", "seed"):
+        v = value.get(field)
+        if field in value and (isinstance(v, bool) or not isinstance(v, int)):
+            _fail(field, f"must be an integer, got {v!r}")
+    if "policy" in value and not isinstance(value["policy"], str):
+        _fail("policy", f"must be a policy name, got {value['policy']!r}")
+
+    changes = {k: v for k, v in value.items() if v is not None}
+    if "value_slots" not in changes and (
+        changes.get("policy", server.policy) != server.policy
+        or changes.get("budget", server.budget) != server.budget
+    ):
+        # The server's explicit N_v belongs to its own policy and budget; a request that
+        # changes either gets the default (budget/4 for vase-attnv).
+        changes["value_slots"] = None
+    try:
+        cfg = server.replace(**changes)
+    except ValueError as err:
+        raise ValueError(f"{KEY}.{err}") from None  # EvictionConfig names the field first
+
+    policy = POLICIES[cfg.policy]
+    if policy.needs_queries:
+        # The query ring is sized (and only allocated) for the server's policy and window.
+        if not POLICIES[server.policy].needs_queries:
+            _fail("policy", f"{cfg.policy!r} scores with attention queries, which this server "
+                            f"does not record (its --kv-evict-policy {server.policy} does not "
+                            "use them); start the server with a query-scoring policy such as "
+                            "snapkv or vase-attnv to allow every policy per request")
+        if cfg.window > server.window:
+            _fail("window", f"must be <= the server's --kv-evict-window ({server.window}) for "
+                            f"policy {cfg.policy!r}: the server keeps the last {server.window} "
+                            f"queries per request; got {cfg.window}")
+    return cfg
+
+
+def server_config() -> EvictionConfig | None:
+    from .settings import config_from_env
+
+    return config_from_env()
+
+
+def after_verify(result, self, *args, **kwargs):
+    """AFTER SamplingParams.verify (tokenizer manager): reject bad kv_evict values with a
+    ValueError, which SGLang answers with HTTP 400."""
+    custom = self.custom_params
+    if isinstance(custom, dict) and custom.get(KEY) is not None:
+        effective_config(custom, server_config())
+    return result
+
+
+TARGET_VALIDATE_REQUEST = (
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+)
+
+
+def after_validate_one_request(result, self, obj, input_ids, *args, **kwargs):
+    """AFTER TokenizerManager._validate_one_request: a token id outside the vocabulary would
+    crash the scheduler in the embedding lookup and take the whole server down (SGLang 0.5.23
+    does not check `input_ids`); refuse it as a bad request (HTTP 400) instead."""
+    vocab = self.model_config.vocab_size
+    if input_ids and (min(input_ids) < 0 or max(input_ids) >= vocab):
+        bad = next(t for t in input_ids if t < 0 or t >= vocab)
+        raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+    return result
+
+
+HOOKS = [
+    (TARGET_VERIFY, "AFTER", after_verify),
+    (TARGET_VALIDATE_REQUEST, "AFTER", after_validate_one_request),
+]

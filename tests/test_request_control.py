@@ -1,0 +1,127 @@
+"""Per-request eviction control (`custom_params.kv_evict`) on real SGLang servers (tiny fp32
+Qwen3, greedy): a request can turn eviction off or pick its own policy and settings, and gets
+exactly what a server started with those settings gives; bad values are answered with HTTP 400
+naming `kv_evict.<field>`, and the server keeps serving."""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from servers import Server
+
+PROMPT = "KV cache eviction policy radix tree prefix"
+N = 120  # several evictions at budget 32 / window 8 and at budget 24 / window 4
+SERVER = {"policy": "snapkv", "budget": 32, "window": 8, "seed": 5}
+# Differs from the server in every field; window < the server's exercises the query ring read.
+OWN = {"policy": "vase-attnv", "budget": 24, "window": 4, "sinks": 2, "seed": 9}
+
+
+def _flags(cfg):
+    args = ["--dtype", "float32"]
+    for key, value in cfg.items():
+        args += ["--kv-evict-" + key.replace("_", "-"), str(value)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_fp32):
+    """Started two at a time: the evicting server, the server with OWN's flags, stock."""
+    specs = {"evict": _flags(SERVER), "own": _flags(OWN), "stock": ["--dtype", "float32"]}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {k: pool.submit(Server, tiny_model_fp32, v, timeout=600) for k, v in specs.items()}
+        started = {k: f.result() for k, f in futures.items()}
+    try:
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def _gen(server, kv_evict=None, prompt=PROMPT, n=N):
+    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, "sampling_seed": 77}
+    if kv_evict is not None:
+        params["custom_params"] = {"kv_evict": kv_evict}
+    out = server.post("/generate", {"text": prompt, "sampling_params": params})
+    # A server without eviction does not report the count.
+    return out["output_ids"], out["meta_info"].get("kv_evicted_tokens", 0)
+
+
+def _post_status(server, path, payload):
+    req = urllib.request.Request(server.url + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def test_kv_evict_false_equals_stock(servers):
+    stock, evicted0 = _gen(servers["stock"])
+    default, evicted = _gen(servers["evict"])
+    off, evicted_off = _gen(servers["evict"], False)
+    assert evicted0 == 0 and evicted > 0, "the server's own settings evict"
+    assert default != stock  # so the comparison below can fail
+    assert off == stock and evicted_off == 0
+    # "policy": "full" is the other spelling of off; true means the server's settings.
+    assert _gen(servers["evict"], {"policy": "full"}) == (stock, 0)
+    assert _gen(servers["evict"], True) == (default, evicted)
+
+
+def test_own_settings_equal_a_server_started_with_them(servers):
+    ref = _gen(servers["own"])
+    mine = _gen(servers["evict"], OWN)
+    assert ref[1] > 0 and mine == ref
+    # A budget-only override keeps the server's policy, window and seed.
+    budget_only = _gen(servers["evict"], {"budget": 24})
+    assert budget_only != _gen(servers["evict"]) and budget_only[1] > 0
+
+
+def test_mixed_settings_in_one_batch(servers):
+    """Requests with different settings run in the same decode batches (grouped per config)
+    and each gets its solo output."""
+    settings = [None, False, OWN, {"policy": "streaming", "budget": 40}, {"budget": 24}]
+    alone = [_gen(servers["evict"], s) for s in settings]
+    results = [None] * len(settings)
+
+    def run(i):
+        results[i] = _gen(servers["evict"], settings[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(settings))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone
+    servers["evict"].wait_idle_checked()
+
+
+def test_openai_routes_pass_custom_params_through(servers):
+    ref_text = servers["own"].post("/generate", {"text": PROMPT, "sampling_params": {
+        "max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "sampling_seed": 77}})["text"]
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "seed": 77, "custom_params": {"kv_evict": OWN}}
+    code, out = _post_status(servers["evict"], "/v1/completions", body)
+    assert code == 200, out
+    assert out["choices"][0]["text"] == ref_text
+    code, out = _post_status(servers["evict"], "/v1/completions",
+                             dict(body, custom_params={"kv_evict": {"budget": 2}}))
+    assert code == 400 and "kv_evict.budget: must be larger than window" in json.dumps(out), out
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "custom_params": {"kv_evict": {"policy": "nope"}}}
+    code, out = _post_status(servers["evict"], "/v1/chat/completions", chat)
+    assert code == 400 and "kv_evict.policy: unknown policy 'nope'" in json.dumps(out), out
+
+
+def test_eviction_request_on_a_server_without_eviction_is_refused(servers):
+    code, out = _post_status(servers["stock"], "/generate", {
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 4,
+                                            "custom_params": {"kv_evict": {"budget": 64}}}})
+    assert code == 400
+    assert "started without --kv-evict-policy" in json.dumps(out), out
+    # Turning eviction off is fine anywhere.
+    assert len(_gen(servers["stock"], False, n=4)[0]) == 4
