@@ -9,7 +9,7 @@ import torch
 
 from vase_sglang.policies import POLICIES
 
-from . import admission, output, runtime
+from . import output, runtime
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -74,7 +74,6 @@ def after_post_pool(result, model_runner):
         queries=queries,
     )
     output.enable_in_scheduler()
-    admission.cap_new_request_estimate(cfg)
     ring_mb = 0 if queries is None else queries.numel() * queries.element_size() / 2**20
     logger.info(
         "VaSE eviction on: %s (query ring %.1f MiB)", cfg, ring_mb,

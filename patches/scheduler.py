@@ -1,14 +1,22 @@
-"""Hooks on sglang.srt.managers: run the eviction step on the running decode batch, and reset
+"""Hooks on sglang.srt.managers: run the eviction step on the running decode batch (and an
+early one when the next step would not fit), retract uncompacted requests first, and reset
 eviction state when a request is retracted."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from . import runtime
 
+logger = logging.getLogger("vase_sglang.eviction")
+
 TARGET_UPDATE_RUNNING_BATCH = "sglang.srt.managers.scheduler.Scheduler.update_running_batch"
 TARGET_RESET_FOR_RETRACT = "sglang.srt.managers.schedule_batch.Req.reset_for_retract"
+TARGET_RETRACTION_ORDER = (
+    "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
+)
 
 
 def around_update_running_batch(original, self, batch):
@@ -25,7 +33,36 @@ def around_update_running_batch(original, self, batch):
                 # without a host sync. run_batch then makes the next forward wait for us.
                 torch.cuda.current_stream().wait_stream(self.forward_stream)
         rt.evict(batch, skip=finishing)
+        staying = [i for i, r in enumerate(batch.reqs) if r not in finishing]
+        if staying and not batch.check_decode_mem(selected_indices=staying):
+            # The next step does not fit (check_decode_mem has already reclaimed what the
+            # radix cache could give). Cut requests that are over budget but not yet due
+            # back to it rather than let the original retract: a retracted compacted request
+            # must re-prefill its whole true length.
+            freed = rt.evict(batch, skip=finishing, early=True)
+            logger.debug("next decode step did not fit: early eviction freed %d slots", freed)
     return original(self, batch)
+
+
+def around_retraction_order(original, reqs):
+    """AROUND ScheduleBatch._get_decode_retraction_order (a staticmethod)."""
+    from sglang.srt.runtime_context import get_schedule
+
+    by_priority = get_schedule().retraction_policy == "priority"
+    return uncompacted_last(original(reqs), reqs, by_priority)
+
+
+def uncompacted_last(order: list[int], reqs, by_priority: bool) -> list[int]:
+    """Reorder SGLang's keep-order (retraction pops from the end) so that uncompacted requests
+    are retracted first. A compacted request frees only about budget + window slots but must
+    re-prefill its whole true length (prompt + every token generated) and loses its compacted
+    cache. The sort is stable: SGLang's order (priority, then length) holds within each group,
+    and with the priority policy a priority block still outranks compaction."""
+    rank: dict = {}
+    for i in order:  # priority blocks in SGLang's order; a single block without priorities
+        rank.setdefault(reqs[i].priority if by_priority else None, len(rank))
+    return sorted(order, key=lambda i: (rank[reqs[i].priority if by_priority else None],
+                                        not runtime.compacted(reqs[i])))
 
 
 def after_reset_for_retract(result, req):
@@ -34,5 +71,6 @@ def after_reset_for_retract(result, req):
 
 HOOKS = [
     (TARGET_UPDATE_RUNNING_BATCH, "AROUND", around_update_running_batch),
+    (TARGET_RETRACTION_ORDER, "AROUND", around_retraction_order),
     (TARGET_RESET_FOR_RETRACT, "AFTER", after_reset_for_retract),
 ]

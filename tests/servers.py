@@ -47,7 +47,7 @@ def server_env(extra: dict | None = None) -> dict:
 
 class Server:
     def __init__(self, model: str, args=(), env: dict | None = None, max_total_tokens: int = 4096,
-                 timeout: float = 180.0):
+                 timeout: float = 600.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-", suffix=".log", delete=False)

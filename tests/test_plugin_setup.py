@@ -72,3 +72,17 @@ def test_offline_engine_evicts_with_environment_settings(tiny_model, tmp_path):
     for length, evicted in json.loads(line[len("RESULT"):]):
         # 120 tokens, trigger at 40 private tokens, then every 8: 10 rounds of 8.
         assert length == 120 and evicted == 80
+
+
+def test_query_ring_rows_are_a_share_of_memory_unless_requested():
+    from vase_sglang_patches.memory import DEFAULT_MAX_ROWS, RING_SHARE, ring_bytes, ring_rows
+
+    # Qwen2.5-0.5B shapes, window 64, bf16: ~2.75 MB per request row.
+    per_row = ring_bytes(24, 1, 64, 14, 64, 2)
+    available = 8 * 2**30
+    rows, cap = ring_rows(available, per_row, None)
+    assert cap == rows - 1 and rows * per_row <= RING_SHARE * available < (rows + 1) * per_row
+    # An explicit --max-running-requests is served as asked, uncapped.
+    assert ring_rows(available, per_row, 2048) == (2049, None)
+    # A small ring: SGLang's own default table size, no cap.
+    assert ring_rows(available, 1024, None) == (DEFAULT_MAX_ROWS + 1, None)
