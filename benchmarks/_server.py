@@ -1,0 +1,119 @@
+"""A small launcher for the benchmark harnesses: one real SGLang server (python -m
+sglang.launch_server) per context manager, with its log kept next to the results.
+
+Kept apart from tests/servers.py on purpose: benchmarks run without SGLang's strict memory checks
+(they cost time on every busy step) and must be importable without the tests package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def on_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+class BenchServer:
+    """`args` are extra launch_server arguments (e.g. the --kv-evict-* flags)."""
+
+    def __init__(self, model: str, args=(), *, log_path: str | Path, max_total_tokens: int = 65536,
+                 max_running: int = 64, env: dict | None = None, timeout: float = 600.0,
+                 threads: int = 1):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-total-tokens", str(max_total_tokens),
+               "--max-running-requests", str(max_running),
+               # the teacher-forced mode sends a logit processor; the overlap scheduler is off
+               # so that the processor sees req.output_ids of the step it is forcing
+               "--enable-custom-logit-processor", "--disable-overlap-schedule",
+               *([] if on_cuda() else CPU_FLAGS), *map(str, args)]
+        full_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("VASE_KV_EVICT_") and k != "TRITON_INTERPRET"}
+        # one thread per process: small models on CPU are far slower with OpenMP sync overhead
+        full_env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        # the teacher-forcing processor class is unpickled (by reference) in the scheduler
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+        full_env.update(env or {})
+        self.cmd = cmd
+        self._log = open(self.log_path, "a")
+        self._log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n")
+        self._log.flush()
+        self._start = self.log_path.stat().st_size
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=str(REPO))
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log {self.log_path}:\n"
+                                   f"{self.output()[-3000:]}")
+            # ready once SGLang's own warmup request is done
+            if "The server is fired up and ready to roll" in self.output():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout}s; log {self.log_path}")
+
+    def output(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            f.seek(self._start)
+            return f.read()
+
+    def post(self, path: str, payload: dict, timeout: float = 3600):
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+        return json.loads(body) if body.strip() else None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

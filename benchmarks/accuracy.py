@@ -1,0 +1,815 @@
+"""Accuracy and fidelity of the eviction policies on a real model, served by the real server.
+
+    python benchmarks/accuracy.py run --model-path DIR --out results/accuracy [--n 100 ...]
+    python benchmarks/accuracy.py throughput --model-path DIR --concurrency 16,32,64
+    python benchmarks/accuracy.py report --out results/accuracy      # JSON + PNG from the records
+    python benchmarks/accuracy.py export-gsm8k --n 200 --out gsm_symbolic.jsonl
+
+Problems come from reasoning-gym (offline, fixed seed): `gsm_symbolic` (GSM8K templates with
+new numbers) or `chain_sum`. The export writes GSM8K-format jsonl ({"question", "answer":
+cot + "\\n#### N"}) for `python -m sglang.test.few_shot_gsm8k --data-path FILE`.
+
+Stages of `run` (in this order; each appends to records.jsonl and is skipped on resume):
+  greedy  every policy at the main budget (+ vase-attnv with value_slots=0), greedy, --n problems
+  tf      teacher-forced: the full-cache greedy output replayed under each policy's evicting
+          cache (forcing happens in decode, where eviction happens); per-token NLL, KL against
+          full (on the full cache's top-k ids + the rest, a lower bound of the exact KL) and
+          top-1 agreement, --tf-n problems
+  sweep   the other --sweep budgets (window = budget/4) for every evicting policy, --sweep-n
+  sample  every policy at the main budget with temperature 0.6, top-p 0.95, --sample-n
+
+Serving: if the plugin has per-request control (patches/request_control.py), ONE server started
+with a query-scoring policy serves every arm at once (each request carries
+`custom_params.kv_evict`), so the batch mixes arms; otherwise one server per eviction setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import accuracy_stats as st  # noqa: E402
+from benchmarks._server import REPO, BenchServer  # noqa: E402
+
+POLICIES = ["full", "vase-attnv", "vase-dkv", "snapkv", "rkv", "random", "streaming",
+            "evict-large-values"]
+QUERY_POLICY = "vase-attnv"  # a server started with it records queries for every policy
+PROMPT = "{q}\nReason step by step, then end with 'Final answer: <number>'."
+SAMPLING = {"temperature": 0.6, "top_p": 0.95}  # the paper's sampling
+TF_K = 20
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+def load_problems(task: str, n: int, seed: int) -> list[dict]:
+    try:
+        import reasoning_gym as rg
+    except ImportError:
+        raise SystemExit("benchmarks/accuracy.py needs reasoning-gym: pip install reasoning-gym")
+    ds = rg.create_dataset(task, size=n, seed=seed)
+    out = []
+    for i in range(n):
+        item = ds[i]
+        out.append({"pid": f"{task}-{seed}-{i}", "question": item["question"],
+                    "answer": str(item["answer"]),
+                    "cot": item["metadata"].get("answer_cot", "")})
+    return out
+
+
+def export_gsm8k(problems: list[dict], path: str | Path) -> None:
+    """GSM8K jsonl: sglang.test.few_shot_gsm8k reads the number after '####'."""
+    with open(path, "w") as f:
+        for p in problems:
+            cot = p["cot"].strip()
+            f.write(json.dumps({"question": p["question"],
+                                "answer": (cot + "\n" if cot else "") + "#### " + p["answer"]})
+                    + "\n")
+
+
+# ----------------------------------------------------------------------------- answers
+
+
+def _to_number(s: str | None):
+    if s is None:
+        return None
+    s = s.strip().replace(",", "").replace("$", "").replace("\\!", "").rstrip(".")
+    m = re.fullmatch(r"\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s)
+    if m:
+        s = f"{m.group(1)}/{m.group(2)}"
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        m = re.search(r"-?\d+(?:\.\d+)?(?:/\d+)?", s)
+        try:
+            return Fraction(m.group(0)) if m else None
+        except (ValueError, ZeroDivisionError):
+            return None
+
+
+def _private_extract(text: str):
+    """Fallback extractor, used only when vase_sglang.answers is missing: the last
+    'Final answer: N', else the last \\boxed{...}, else the last 'answer is N'."""
+    m = re.findall(r"[Ff]inal [Aa]nswer\s*[:：]?\s*\**\s*\$?\s*(\\[dt]?frac\{[^}]*\}\{[^}]*\}|-?[\d,]*\.?\d+(?:/\d+)?)", text)
+    if m:
+        return _to_number(m[-1])
+    boxes = []
+    for b in re.finditer(r"\\boxed\{", text):  # braces may nest (\frac{a}{b})
+        depth, j = 1, b.end()
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        boxes.append(text[b.end():j - 1])
+    if boxes:
+        return _to_number(boxes[-1])
+    m = re.findall(r"answer is\s*\$?\s*(-?[\d,]*\.?\d+)", text)
+    return _to_number(m[-1]) if m else None
+
+
+try:  # the shared extractor of the frontend programs (examples/) and this harness
+    from vase_sglang import answers as _answers
+except ImportError:
+    _answers = None
+
+if _answers is not None:
+    PROMPT = "{q}\n" + _answers.ANSWER_INSTRUCTION
+
+
+def extract_answer(text: str) -> str | None:
+    """The model's final answer, normalised ("72", "2.5", "1/3"); None if it gave none."""
+    if _answers is not None:
+        return _answers.extract_answer(text)
+    v = _private_extract(text)
+    return None if v is None else str(v)
+
+
+def is_right(pred: str | None, gold: str) -> bool:
+    if _answers is not None:
+        return _answers.answers_equal(pred, gold)
+    return pred is not None and _to_number(pred) == _to_number(gold)
+
+
+# ----------------------------------------------------------------------------- arms
+
+
+@dataclass(frozen=True)
+class Arm:
+    policy: str
+    budget: int = 0
+    window: int = 0
+    value_slots: int | None = None
+    decoding: str = "greedy"  # or "sample"
+    kind: str = "gen"  # or "tf" (teacher-forced replay of the full greedy output)
+
+    @property
+    def evicts(self) -> bool:
+        return self.policy != "full"
+
+    @property
+    def setting(self) -> str:
+        """The eviction setting, without decoding/kind: what a per-arm server is started with."""
+        if not self.evicts:
+            return "full"
+        nv = "" if self.value_slots is None else f"/nv{self.value_slots}"
+        return f"{self.policy}@{self.budget}/w{self.window}{nv}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.setting}:{self.decoding}" + (":tf" if self.kind == "tf" else "")
+
+    @property
+    def label(self) -> str:
+        return self.policy + (f" nv={self.value_slots}" if self.value_slots is not None else "")
+
+    def kv_evict(self):
+        if not self.evicts:
+            return False
+        d = {"policy": self.policy, "budget": self.budget, "window": self.window}
+        if self.value_slots is not None:
+            d["value_slots"] = self.value_slots
+        return d
+
+    def flags(self) -> list[str]:
+        if not self.evicts:
+            return []
+        f = ["--kv-evict-policy", self.policy, "--kv-evict-budget", str(self.budget),
+             "--kv-evict-window", str(self.window)]
+        if self.value_slots is not None:
+            f += ["--kv-evict-value-slots", str(self.value_slots)]
+        return f
+
+
+def window_for(budget: int) -> int:
+    return max(4, budget // 4)
+
+
+def stage_arms(stage: str, a) -> list[Arm]:
+    main = [Arm("full")] + [Arm(p, a.budget, a.window) for p in POLICIES[1:]]
+    ablation = Arm("vase-attnv", a.budget, a.window, value_slots=0)
+    if stage == "greedy":
+        return main + [ablation]
+    if stage == "tf":
+        return [Arm(x.policy, x.budget, x.window, x.value_slots, kind="tf")
+                for x in main + [ablation]]
+    if stage == "sweep":
+        arms = []
+        for b in a.sweep:
+            if b == a.budget:
+                continue
+            w = window_for(b)
+            arms += [Arm(p, b, w) for p in POLICIES[1:]] + [Arm("vase-attnv", b, w, value_slots=0)]
+        return arms
+    if stage == "sample":
+        return [Arm(x.policy, x.budget, x.window, x.value_slots, decoding="sample")
+                for x in main]
+    raise ValueError(f"--stages: unknown stage {stage!r}; use greedy, tf, sweep, sample")
+
+
+# ----------------------------------------------------------------------------- records
+
+
+class Records:
+    """Append-only jsonl of per-request results keyed by arm + problem: the resume state."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.rows: dict[str, dict] = {}
+        if path.exists():
+            with open(path) as f:
+                for line in f:
+                    line = line.strip()
+                    if not line:
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut by a kill: redo that request
+                        continue
+                    self.rows[row["key"]] = row
+            if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+                with open(path, "a") as f:  # end the cut line so the next row starts afresh
+                    f.write("\n")
+
+    def add(self, row: dict) -> None:
+        with self.lock:
+            self.rows[row["key"]] = row
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def get(self, arm: Arm, pid: str):
+        return self.rows.get(key(arm, pid))
+
+
+def key(arm: Arm, pid: str) -> str:
+    return f"{arm.name}|{pid}"
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def per_request_available() -> bool:
+    return (REPO / "patches" / "request_control.py").exists()
+
+
+class Harness:
+    def __init__(self, a):
+        self.a = a
+        self.out = Path(a.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.records = Records(self.out / "records.jsonl")
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(a.model_path)
+        self.mode = a.mode if a.mode != "auto" else (
+            "per-request" if per_request_available() else "per-arm")
+        self.tf_dir = self.out / "tf_tmp"
+        self.tf_dir.mkdir(exist_ok=True)
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    # prompts ---------------------------------------------------------------
+    def prompt_ids(self, prob: dict) -> list[int]:
+        if prob["pid"] not in self._prompt_cache:
+            msgs = [{"role": "user", "content": PROMPT.format(q=prob["question"])}]
+            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            self._prompt_cache[prob["pid"]] = self.tok(text, add_special_tokens=False)["input_ids"]
+        return self._prompt_cache[prob["pid"]]
+
+    # servers ---------------------------------------------------------------
+    def server_flags(self, arms: list[Arm]) -> list[str]:
+        if self.mode == "per-request":
+            # one server for every stage: its window bounds the per-request windows
+            window = max([window_for(b) for b in self.a.sweep] + [self.a.window])
+            return ["--kv-evict-policy", QUERY_POLICY, "--kv-evict-budget", str(self.a.budget),
+                    "--kv-evict-window", str(window), "--kv-evict-seed", str(self.a.seed)]
+        (setting,) = {x.setting for x in arms}
+        return arms[0].flags() + (["--kv-evict-seed", str(self.a.seed)] if arms[0].evicts else [])
+
+    def start_server(self, arms: list[Arm]) -> BenchServer:
+        flags = (self.server_flags(arms) + ["--random-seed", str(self.a.seed),
+                                            "--dtype", self.a.dtype] + self.a.server_args.split())
+        return BenchServer(self.a.model_path, flags, log_path=self.out / "server.log",
+                           max_total_tokens=self.a.max_total_tokens,
+                           max_running=self.a.concurrency)
+
+    _server: BenchServer | None = None
+    _server_key: tuple | None = None
+
+    def server_for(self, arms: list[Arm]) -> BenchServer:
+        """The running server if it was started with the same flags (startup of the 0.5B
+        model takes minutes on a busy CPU), else a new one."""
+        flags = tuple(self.server_flags(arms))
+        if self._server is not None and (self._server_key != flags or not self._server.alive()):
+            self.close()
+        if self._server is None:
+            self._server, self._server_key = self.start_server(arms), flags
+        return self._server
+
+    def adopt_server(self, other: "Harness") -> None:
+        """Take over another harness's running server (a resume without a restart)."""
+        self._server, self._server_key = other._server, other._server_key
+        other._server = other._server_key = None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = self._server_key = None
+
+    # payloads --------------------------------------------------------------
+    def payload(self, arm: Arm, prob: dict, tf: dict | None = None) -> dict:
+        sp = {"max_new_tokens": self.a.max_new_tokens}
+        if arm.decoding == "greedy":
+            sp["temperature"] = 0.0
+        else:
+            # same seed for every arm of a problem (common random numbers); SGLang honours
+            # per-request seeds only with --enable-deterministic-inference
+            sp.update(SAMPLING, sampling_seed=self.a.seed * 100003 + int(prob["pid"].rsplit("-", 1)[1]))
+        custom = {}
+        if self.mode == "per-request":
+            custom["kv_evict"] = arm.kv_evict()
+        payload = {"input_ids": self.prompt_ids(prob), "sampling_params": sp}
+        if tf is not None:
+            from benchmarks.teacher_force import TeacherForceProcessor
+
+            sp["max_new_tokens"] = len(tf["forced"])
+            sp["ignore_eos"] = True
+            custom.update(tf_forced=tf["forced"], tf_out=tf["path"], tf_k=TF_K)
+            if tf.get("ref") is not None:
+                custom["tf_ref"] = tf["ref"]
+            payload["custom_logit_processor"] = TeacherForceProcessor.to_str()
+        if custom:
+            sp["custom_params"] = custom
+        return payload
+
+    # result rows -----------------------------------------------------------
+    def gen_row(self, arm: Arm, prob: dict, res: dict, secs: float) -> dict:
+        meta = res.get("meta_info", {})
+        ids = res.get("output_ids") or []
+        text = res.get("text", "")
+        pred = extract_answer(text)
+        fin = meta.get("finish_reason") or {}
+        evicted = meta.get("kv_evicted_tokens")
+        return {"key": key(arm, prob["pid"]), "arm": arm.name, "arm_fields": asdict(arm),
+                "pid": prob["pid"], "question": prob["question"], "gold": prob["answer"],
+                "text": text, "output_ids": ids, "n_tokens": meta.get("completion_tokens", len(ids)),
+                "finish": fin.get("type") if isinstance(fin, dict) else str(fin),
+                "pred": pred, "correct": is_right(pred, prob["answer"]),
+                "kv_evicted": _evicted_total(evicted), "secs": round(secs, 2)}
+
+    def tf_row(self, arm: Arm, prob: dict, res: dict, path: Path, forced: list[int],
+               ref_lp_full: list[list[float]] | None, secs: float) -> dict:
+        steps: dict[int, dict] = {}
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    steps[r["t"]] = r  # a retracted request re-runs a step: keep the last
+        path.unlink(missing_ok=True)
+        out_ids = res.get("output_ids") or []
+        if out_ids != forced or sorted(steps) != list(range(len(forced))):
+            raise RuntimeError(f"teacher forcing failed for {arm.name} {prob['pid']}: "
+                               f"{len(steps)} steps recorded, output equal to forced: "
+                               f"{out_ids == forced} (is --disable-overlap-schedule on?)")
+        recs = [steps[t] for t in range(len(forced))]
+        row = {"key": key(arm, prob["pid"]), "arm": arm.name, "arm_fields": asdict(arm),
+               "pid": prob["pid"], "n_tokens": len(forced),
+               "nll": [-r["lp"] for r in recs],
+               "top1_agree": [int(r["top1"] == forced[t]) for t, r in enumerate(recs)],
+               "kv_evicted": _evicted_total(res.get("meta_info", {}).get("kv_evicted_tokens")),
+               "secs": round(secs, 2)}
+        if ref_lp_full is None:  # the full cache: keep its top-k as the reference
+            row["ref_ids"] = [r["top_ids"] for r in recs]
+            row["ref_lp"] = [r["top_lp"] for r in recs]
+        else:
+            row["kl"] = [st.coarse_kl(ref_lp_full[t], recs[t]["ref_lp"]) for t in range(len(recs))]
+        return row
+
+    # the request loop ------------------------------------------------------
+    def run_jobs(self, jobs: list, desc: str) -> None:
+        """jobs: (arm, prob, tf-spec or None). Groups them by server (one group in per-request
+        mode), runs each group at --concurrency, appends each result as it completes."""
+        from tqdm import tqdm
+
+        jobs = [j for j in jobs if self.records.get(j[0], j[1]["pid"]) is None]
+        if not jobs:
+            return
+        groups: dict[str, list] = defaultdict(list)
+        for j in jobs:
+            groups["all" if self.mode == "per-request" else j[0].setting].append(j)
+        bar = tqdm(total=len(jobs), desc=desc, dynamic_ncols=True, file=sys.stderr)
+        for group in groups.values():
+            server = self.server_for([j[0] for j in group])
+            errors = []
+
+            def one(job):
+                arm, prob, tf = job
+                spec = None
+                if tf is not None:
+                    path = self.tf_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', arm.name)}__{prob['pid']}.jsonl"
+                    path.unlink(missing_ok=True)
+                    spec = dict(tf, path=str(path))
+                t0 = time.time()
+                res = server.post("/generate", self.payload(arm, prob, spec))
+                secs = time.time() - t0
+                if tf is None:
+                    row = self.gen_row(arm, prob, res, secs)
+                else:
+                    row = self.tf_row(arm, prob, res, Path(spec["path"]), tf["forced"],
+                                      tf.get("ref_lp"), secs)
+                self.records.add(row)
+
+            pool = ThreadPoolExecutor(self.a.concurrency)
+            try:
+                futs = [pool.submit(one, j) for j in group]
+                for fut in as_completed(futs):
+                    try:
+                        fut.result()
+                    except Exception as err:  # keep going; report at the end of the group
+                        errors.append(err)
+                    bar.update(1)
+            finally:
+                # on a kill, do not wait for the requests in flight: stopping the server
+                # (Harness.close) ends them, and a rerun redoes them
+                pool.shutdown(wait=False, cancel_futures=True)
+            if errors:
+                bar.close()
+                raise RuntimeError(f"{len(errors)} requests failed; first: {errors[0]!r}; "
+                                   f"server log {server.log_path}")
+        bar.close()
+
+    # stages ----------------------------------------------------------------
+    def problems(self, n: int) -> list[dict]:
+        return load_problems(self.a.task, n, self.a.seed)
+
+    def interleave(self, arms: list[Arm], probs: list[dict]) -> list:
+        # problem-major order: if the run is stopped, every arm has about the same problems
+        return [(arm, p, None) for p in probs for arm in arms]
+
+    def stage(self, name: str, n: int | None = None) -> None:
+        """Run one stage on its first n problems (default: the stage's --*-n option)."""
+        a = self.a
+        n = n if n is not None else {"greedy": a.n, "tf": a.tf_n, "sweep": a.sweep_n,
+                                     "sample": a.sample_n}.get(name, 0)
+        if name == "greedy":
+            self.run_jobs(self.interleave(stage_arms("greedy", a), self.problems(n)), "greedy")
+        elif name == "sweep":
+            probs = self.problems(n)
+            self.run_jobs(self.interleave([Arm("full")], probs), "sweep (full)")
+            self.run_jobs(self.interleave(stage_arms("sweep", a), probs), "sweep")
+        elif name == "sample":
+            self.run_jobs(self.interleave(stage_arms("sample", a), self.problems(n)),
+                          "sample")
+        elif name == "tf":
+            probs = self.problems(n)
+            full = Arm("full")
+            self.run_jobs(self.interleave([full], probs), "tf (full greedy)")
+            arms = stage_arms("tf", a)
+            forced = {p["pid"]: self.records.get(full, p["pid"])["output_ids"] for p in probs}
+            self.run_jobs([(arms[0], p, {"forced": forced[p["pid"]]}) for p in probs],
+                          "tf (full replay)")
+            jobs = []
+            for p in probs:
+                ref = self.records.get(arms[0], p["pid"])
+                flat = [i for ids in ref["ref_ids"] for i in ids]
+                for arm in arms[1:]:
+                    jobs.append((arm, p, {"forced": forced[p["pid"]], "ref": flat,
+                                          "ref_lp": ref["ref_lp"]}))
+            self.run_jobs(jobs, "tf (policies)")
+        else:
+            raise ValueError(f"--stages: unknown stage {name!r}")
+
+
+def _evicted_total(v):
+    """meta_info kv_evicted_tokens -> one number (per layer and head, so take the max)."""
+    if v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return v
+    flat = []
+
+    def walk(x):
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif isinstance(x, (int, float)):
+            flat.append(x)
+
+    walk(v)
+    return max(flat) if flat else 0
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(out: Path, boot_iters: int = 10000) -> dict:
+    rows = list(Records(out / "records.jsonl").rows.values())
+    by_arm: dict[str, dict[str, dict]] = defaultdict(dict)
+    fields: dict[str, dict] = {}
+    for r in rows:
+        by_arm[r["arm"]][r["pid"]] = r
+        fields[r["arm"]] = r["arm_fields"]
+    summary = {"generation": {}, "teacher_forced": {}}
+    full_name = {"greedy": Arm("full").name,
+                 "sample": Arm("full", decoding="sample").name}
+    for name, recs in sorted(by_arm.items()):
+        f = fields[name]
+        arm = Arm(**f)
+        if arm.kind == "tf":
+            continue
+        n = len(recs)
+        k = sum(r["correct"] for r in recs.values())
+        lo, hi = st.wilson(k, n)
+        s = {**f, "setting": arm.setting, "n": n, "correct": k, "accuracy": k / n if n else None,
+             "wilson95": [lo, hi],
+             "mean_tokens": st.mean(r["n_tokens"] for r in recs.values()),
+             "loop_rate": st.mean(r["finish"] == "length" for r in recs.values()),
+             "mean_kv_evicted": st.mean(r["kv_evicted"] or 0 for r in recs.values())}
+        full = by_arm.get(full_name[arm.decoding], {})
+        common = sorted(set(recs) & set(full))
+        if arm.evicts and common:
+            a_ok = [float(recs[p]["correct"]) for p in common]
+            f_ok = [float(full[p]["correct"]) for p in common]
+            b = sum(int(x > y) for x, y in zip(a_ok, f_ok))
+            c = sum(int(y > x) for x, y in zip(a_ok, f_ok))
+            d, dlo, dhi = st.paired_bootstrap(a_ok, f_ok, iters=boot_iters)
+            s["vs_full"] = {
+                "n_paired": len(common), "acc_diff": d, "acc_diff_boot95": [dlo, dhi],
+                "only_policy_right": b, "only_full_right": c, "mcnemar_p": st.mcnemar_exact(b, c),
+                "same_answer": st.mean(recs[p]["pred"] == full[p]["pred"] for p in common)}
+            if arm.decoding == "greedy":
+                divs = [st.first_divergence(recs[p]["output_ids"], full[p]["output_ids"])
+                        for p in common]
+                pos = [x for x in divs if x is not None]
+                s["vs_full"].update({
+                    "identical": st.mean(x is None for x in divs),
+                    "first_divergence_median": sorted(pos)[len(pos) // 2] if pos else None,
+                    "first_divergence_mean": st.mean(pos) if pos else None,
+                    # eviction starts once the private cache holds budget + window tokens: an
+                    # earlier divergence is batch numerics, not the policy
+                    "diverged_before_first_eviction": st.mean(
+                        x is not None and x < arm.budget + arm.window for x in divs)})
+        summary["generation"][name] = s
+    tf_full = by_arm.get(Arm("full", kind="tf").name, {})
+    for name, recs in sorted(by_arm.items()):
+        arm = Arm(**fields[name])
+        if arm.kind != "tf":
+            continue
+        start = arm.budget + arm.window if arm.evicts else 0
+        nll_all = [x for r in recs.values() for x in r["nll"]]
+        after = [x for r in recs.values() for x in r["nll"][start:]]
+        agree = [x for r in recs.values() for x in r["top1_agree"][start:]]
+        s = {**fields[name], "setting": arm.setting, "n": len(recs), "tokens": len(nll_all),
+             "tokens_after_first_eviction": len(after),
+             "nll_mean": st.mean(nll_all), "nll_after_first_eviction": st.mean(after),
+             "top1_agree_after_first_eviction": st.mean(agree)}
+        if arm.evicts:
+            common = sorted(set(recs) & set(tf_full))
+            full_after = [x for p in common for x in tf_full[p]["nll"][start:]]
+            pol_after = [x for p in common for x in recs[p]["nll"][start:]]
+            s["nll_excess_after_first_eviction"] = st.mean(pol_after) - st.mean(full_after)
+            kl = [x for r in recs.values() for x in r["kl"][start:]]
+            s["kl_after_first_eviction"] = st.mean(kl)
+            s["kl_p90_after_first_eviction"] = sorted(kl)[int(0.9 * len(kl))] if kl else None
+            s["kl_note"] = f"KL(full || policy) on the full cache's top-{TF_K} ids + the rest: a lower bound"
+        summary["teacher_forced"][name] = s
+    return summary
+
+
+def plot(summary: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gen = [s for s in summary["generation"].values() if s["decoding"] == "greedy"]
+    full = next((s for s in gen if s["policy"] == "full"), None)
+    lines = defaultdict(list)
+    for s in gen:
+        if s["policy"] != "full":
+            lines[Arm(**{k: s[k] for k in ("policy", "value_slots")}).label].append(s)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for lab, ss in sorted(lines.items()):
+        ss.sort(key=lambda s: s["budget"])
+        xs = [s["budget"] for s in ss]
+        axes[0].errorbar(xs, [s["accuracy"] for s in ss], marker="o", capsize=3, label=lab,
+                         yerr=[[s["accuracy"] - s["wilson95"][0] for s in ss],
+                               [s["wilson95"][1] - s["accuracy"] for s in ss]], alpha=0.8)
+        axes[1].plot(xs, [s.get("vs_full", {}).get("same_answer") for s in ss], marker="o",
+                     label=lab)
+    if full:
+        for ax, y in ((axes[0], full["accuracy"]), (axes[1], 1.0)):
+            ax.axhline(y, color="k", ls="--", label="full cache")
+        axes[0].axhspan(*full["wilson95"], color="k", alpha=0.08)
+    axes[0].set(xlabel="budget T (tokens per layer and KV head)", ylabel="accuracy (greedy)",
+                title="accuracy vs budget (95% Wilson CI)")
+    axes[1].set(xlabel="budget T", ylabel="share with the same answer as full",
+                title="answer agreement with the full cache")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=110)
+    plt.close(fig)
+
+    tf = [s for s in summary["teacher_forced"].values() if s["policy"] != "full"]
+    if tf:
+        tf.sort(key=lambda s: s.get("kl_after_first_eviction") or 0)
+        labels = [Arm(**{k: s[k] for k in ("policy", "value_slots")}).label for s in tf]
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+        for ax, keyname, title in (
+                (axes[0], "kl_after_first_eviction", f"KL(full||policy), top-{TF_K}+rest"),
+                (axes[1], "nll_excess_after_first_eviction", "NLL excess over full (nats/token)"),
+                (axes[2], "top1_agree_after_first_eviction", "top-1 agreement with full output")):
+            ax.barh(labels, [s.get(keyname) or 0 for s in tf])
+            ax.set_title(title, fontsize=9)
+        fig.suptitle(f"teacher-forced replay of the full-cache greedy output (tokens after the "
+                     f"first eviction, n={tf[0]['n']} problems)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(out / "fidelity.png", dpi=110)
+        plt.close(fig)
+
+
+def markdown(summary: dict) -> str:
+    lines = ["| arm | n | accuracy [95% CI] | Δ vs full [boot 95%] | McNemar p | same answer | "
+             "1st divergence (median) | loops | mean tokens |", "|---" * 9 + "|"]
+    for name, s in summary["generation"].items():
+        v = s.get("vs_full", {})
+        fmt = lambda x, p=2: "–" if x is None else f"{x:.{p}f}"  # noqa: E731
+        ci = f"{fmt(s['accuracy'])} [{fmt(s['wilson95'][0])}, {fmt(s['wilson95'][1])}]"
+        d = ("–" if not v else f"{v['acc_diff']:+.2f} [{v['acc_diff_boot95'][0]:+.2f}, "
+             f"{v['acc_diff_boot95'][1]:+.2f}]")
+        lines.append(f"| {name} | {s['n']} | {ci} | {d} | {fmt(v.get('mcnemar_p'), 3)} | "
+                     f"{fmt(v.get('same_answer'))} | {v.get('first_divergence_median', '–')} | "
+                     f"{fmt(s['loop_rate'])} | {s['mean_tokens']:.0f} |")
+    if summary["teacher_forced"]:
+        lines += ["", "| teacher-forced arm | n | NLL after 1st eviction | NLL excess | KL (lower bound) "
+                  "| top-1 agreement |", "|---" * 6 + "|"]
+        for name, s in summary["teacher_forced"].items():
+            lines.append(f"| {name} | {s['n']} | {s['nll_after_first_eviction']:.3f} | "
+                         f"{s.get('nll_excess_after_first_eviction', 0):+.3f} | "
+                         f"{s.get('kl_after_first_eviction', 0):.4f} | "
+                         f"{s['top1_agree_after_first_eviction']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path, boot_iters: int = 10000) -> dict:
+    summary = summarize(out, boot_iters)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(markdown(summary))
+    plot(summary, out)
+    return summary
+
+
+# ----------------------------------------------------------------------------- throughput
+
+
+def throughput(a) -> dict:
+    """Generated tokens/s at each concurrency: c requests of exactly --tokens new tokens
+    (ignore_eos), half full cache and half vase-attnv at the main budget when the server takes
+    per-request settings."""
+    h = Harness(a)
+    probs = load_problems(a.task, max(a.concurrency_list), a.seed)
+    arm_e = Arm(QUERY_POLICY, a.budget, a.window)
+    result = {"mode": h.mode, "tokens": a.tokens, "runs": []}
+    with h.start_server([arm_e]) as server:
+        for c in a.concurrency_list:
+            arms = [Arm("full"), arm_e] if h.mode == "per-request" else [arm_e]
+            payloads = []
+            for i in range(c):
+                p = h.payload(arms[i % len(arms)], probs[i])
+                p["sampling_params"].update(max_new_tokens=a.tokens, ignore_eos=True)
+                payloads.append(p)
+            t0 = time.time()
+            with ThreadPoolExecutor(c) as pool:
+                res = list(pool.map(lambda p: server.post("/generate", p), payloads))
+            wall = time.time() - t0
+            toks = sum(r["meta_info"]["completion_tokens"] for r in res)
+            run = {"concurrency": c, "wall_s": round(wall, 1), "tokens": toks,
+                   "tok_per_s": round(toks / wall, 1)}
+            print(json.dumps(run), flush=True)
+            result["runs"].append(run)
+            (Path(a.out) / "throughput.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p):
+        p.add_argument("--model-path", required=True)
+        p.add_argument("--out", default="results/accuracy")
+        p.add_argument("--task", default="gsm_symbolic", choices=["gsm_symbolic", "chain_sum"])
+        p.add_argument("--seed", type=int, default=123, help="problem seed (reasoning-gym), eviction seed")
+        p.add_argument("--budget", type=int, default=64, help="main budget T (~4x compression of ~280 tokens)")
+        p.add_argument("--window", type=int, default=16, help="window R at the main budget")
+        p.add_argument("--max-new-tokens", type=int, default=512)
+        p.add_argument("--max-total-tokens", type=int, default=65536, help="server KV pool size")
+        p.add_argument("--mode", default="auto", choices=["auto", "per-request", "per-arm"])
+        p.add_argument("--dtype", default="float32",
+                       help="server --dtype: CPUs without native bf16 run bf16 weights far slower")
+        p.add_argument("--server-args", default="", help="extra launch_server arguments, one string")
+        p.add_argument("--sweep", default="32,64,128,192", help="budgets of the sweep stage")
+
+    r = sub.add_parser("run")
+    common(r)
+    r.add_argument("--stages", default="greedy,tf,sweep,sample",
+                   help="comma list of stages in order, each optionally STAGE:N (its first N "
+                        "problems), e.g. greedy:30,tf:30,greedy:100 to get fidelity early")
+    r.add_argument("--n", type=int, default=100, help="problems of the greedy stage")
+    r.add_argument("--tf-n", type=int, default=50)
+    r.add_argument("--sweep-n", type=int, default=50)
+    r.add_argument("--sample-n", type=int, default=100)
+    r.add_argument("--concurrency", type=int, default=64)
+    r.add_argument("--boot-iters", type=int, default=10000)
+
+    t = sub.add_parser("throughput")
+    common(t)
+    t.add_argument("--concurrency", dest="concurrency_list", default="16,32,64")
+    t.add_argument("--tokens", type=int, default=128)
+
+    rp = sub.add_parser("report")
+    rp.add_argument("--out", default="results/accuracy")
+    rp.add_argument("--boot-iters", type=int, default=10000)
+
+    ex = sub.add_parser("export-gsm8k")
+    ex.add_argument("--task", default="gsm_symbolic")
+    ex.add_argument("--n", type=int, default=200)
+    ex.add_argument("--seed", type=int, default=123)
+    ex.add_argument("--out", required=True)
+
+    a = ap.parse_args(argv)
+    if hasattr(a, "sweep"):
+        a.sweep = [int(x) for x in a.sweep.split(",") if x]
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    # a plain `kill` of a background run must still stop its server (finally blocks run)
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _main(a)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def run_stages(h: Harness) -> dict:
+    """The `run` command on a Harness (whose server, if started, stays up: call h.close())."""
+    a, out = h.a, h.out
+    sizes = [int(x.partition(":")[2]) for x in a.stages.split(",") if x.partition(":")[2]]
+    export_gsm8k(load_problems(a.task, max([a.n, a.tf_n, a.sweep_n, a.sample_n, *sizes]), a.seed),
+                 out / f"{a.task}.gsm8k.jsonl")
+    (out / "config.json").write_text(json.dumps({**vars(a), "serving": h.mode}, indent=1))
+    print(f"mode: {h.mode}; records: {out / 'records.jsonl'}; server log: {out / 'server.log'}",
+          file=sys.stderr)
+    summary = {}
+    for item in [s for s in a.stages.split(",") if s]:
+        stage, _, n = item.partition(":")
+        h.stage(stage, int(n) if n else None)
+        summary = report(out, a.boot_iters)  # after every stage: partial results are usable
+        print(f"stage {stage} done: {out / 'summary.md'}", file=sys.stderr)
+    return summary
+
+
+def _main(a) -> int:
+    if a.cmd == "export-gsm8k":
+        export_gsm8k(load_problems(a.task, a.n, a.seed), a.out)
+        print(a.out)
+        return 0
+    if a.cmd == "report":
+        print(markdown(report(Path(a.out), a.boot_iters)))
+        return 0
+    if a.cmd == "throughput":
+        a.concurrency_list = [int(x) for x in a.concurrency_list.split(",")]
+        a.concurrency = max(a.concurrency_list)
+        throughput(a)
+        return 0
+    h = Harness(a)
+    try:
+        summary = run_stages(h)
+    finally:
+        h.close()
+    print(markdown(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

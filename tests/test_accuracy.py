@@ -1,0 +1,143 @@
+"""Smoke of the accuracy/fidelity harness (benchmarks/accuracy.py) on a real server with a tiny
+fp32 model: every stage (greedy, teacher-forced, sweep, sampling), the resume path, the GSM8K
+export and the JSON/PNG report. The real-model run is a documented benchmark, not a test."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+
+from benchmarks import accuracy as acc  # noqa: E402
+from benchmarks import accuracy_stats as st  # noqa: E402
+
+pytest.importorskip("reasoning_gym")
+
+BUDGET, WINDOW, MAX_NEW = 16, 4, 40
+ARGS = ["--budget", str(BUDGET), "--window", str(WINDOW), "--max-new-tokens", str(MAX_NEW),
+        "--sweep", "12,16", "--max-total-tokens", "8192", "--concurrency", "16",
+        "--boot-iters", "200"]
+
+
+def test_stats_known_values():
+    # Wilson 95% interval of 7/24 (R's prop.test without continuity correction: 0.149-0.492)
+    lo, hi = st.wilson(7, 24)
+    assert abs(lo - 0.1490) < 1e-3 and abs(hi - 0.4915) < 1e-3
+    # exact McNemar: 1 vs 7 discordant pairs -> 2 * P(X <= 1), X ~ Bin(8, 1/2) = 18/256
+    assert math.isclose(st.mcnemar_exact(1, 7), 18 / 256)
+    assert st.mcnemar_exact(0, 0) == 1.0
+    assert st.first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert st.first_divergence([1, 2], [1, 2]) is None
+    assert st.first_divergence([1, 2], [1, 2, 3]) == 2
+    d, lo, hi = st.paired_bootstrap([1, 1, 1, 0], [0, 0, 1, 0], iters=500)
+    assert d == 0.5 and lo <= d <= hi
+
+
+def test_coarse_kl_is_exact_on_the_whole_vocabulary_and_a_lower_bound_on_top_k():
+    import torch
+
+    torch.manual_seed(0)
+    p = torch.log_softmax(torch.randn(50), -1)
+    q = torch.log_softmax(torch.randn(50), -1)
+    exact = float((p.exp() * (p - q)).sum())
+    ids = p.argsort(descending=True)
+    assert math.isclose(st.coarse_kl(p[ids].tolist(), q[ids].tolist()), exact, rel_tol=1e-5)
+    assert st.coarse_kl(p[ids[:5]].tolist(), q[ids[:5]].tolist()) <= exact + 1e-9
+
+
+def test_answer_extraction_and_export(tmp_path):
+    assert acc.extract_answer("so 3 + 4 = 7.\nFinal answer: 7") == "7"
+    assert acc.is_right(acc.extract_answer(r"The total is \boxed{\frac{3}{2}}"), "1.5")
+    probs = acc.load_problems("gsm_symbolic", 3, 123)
+    assert probs == acc.load_problems("gsm_symbolic", 3, 123)  # fixed seed
+    acc.export_gsm8k(probs, tmp_path / "g.jsonl")
+    rows = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
+    # sglang.test.few_shot_gsm8k reads the number after "####"
+    assert [r["answer"].rsplit("#### ", 1)[1] for r in rows] == [p["answer"] for p in probs]
+
+
+def test_harness_end_to_end_with_resume(tiny_model_fp32, tmp_path):
+    out = tmp_path / "acc"
+    a = acc.parse_args(["run", "--model-path", tiny_model_fp32, "--out", str(out), "--n", "2",
+                        "--tf-n", "2", "--sweep-n", "1", "--sample-n", "1", *ARGS])
+    h = acc.Harness(a)
+    try:
+        acc.run_stages(h)
+        _check_and_resume(h, a, out)
+    finally:
+        h.close()
+    # the CLI rebuilds the report from the records alone
+    assert acc.main(["report", "--out", str(out), "--boot-iters", "100"]) == 0
+    assert (out / "summary.md").read_text().count(":greedy") >= 9
+
+
+def _check_and_resume(h, a, out):
+    records = out / "records.jsonl"
+    rows = [json.loads(x) for x in records.read_text().splitlines()]
+    arms = {r["arm"] for r in rows}
+    # greedy: 8 policies + the value_slots=0 ablation; tf: the same 9; sweep: budget 12 for the
+    # 7 evicting policies + ablation; sampling: 8 policies
+    assert len([x for x in arms if x.endswith(":greedy")]) == 9 + 8
+    assert len([x for x in arms if x.endswith(":tf")]) == 9
+    assert len([x for x in arms if x.endswith(":sample")]) == 8
+    assert len(rows) == 9 * 2 + 9 * 2 + 8 * 1 + 8 * 1
+
+    full = {r["pid"]: r for r in rows if r["arm"] == "full:greedy"}
+    for r in rows:
+        if r["arm"].endswith(":greedy") and r["arm"] != "full:greedy":
+            # the per-request setting reached the scheduler: long outputs were evicted...
+            if r["n_tokens"] > BUDGET + WINDOW + 1 and r["arm"].startswith(("vase", "snap", "rkv")) \
+                    and "@16/" in r["arm"]:
+                assert r["kv_evicted"] > 0, r["arm"]
+            # ...and nothing differs from the full cache before the first eviction
+            div = st.first_divergence(r["output_ids"], full[r["pid"]]["output_ids"])
+            budget = r["arm_fields"]["budget"]
+            assert div is None or div >= budget + r["arm_fields"]["window"], (r["arm"], div)
+    assert all(r["kv_evicted"] in (0, None) for r in full.values())
+
+    # teacher forcing: replaying the full cache's own greedy output under the full cache picks
+    # every forced token as top-1 (an off-by-one in the forcing would break this), and every
+    # policy agrees with it until its first eviction
+    tf = [r for r in rows if r["arm"].endswith(":tf")]
+    for r in tf:
+        start = r["arm_fields"]["budget"] + r["arm_fields"]["window"]
+        head = r["top1_agree"] if r["arm"] == "full:greedy:tf" else r["top1_agree"][:start]
+        assert all(head), r["arm"]
+        assert r["n_tokens"] == len(full[r["pid"]]["output_ids"])
+        if r["arm"] != "full:greedy:tf":
+            assert max(r["kl"][:start]) < 1e-4, r["arm"]
+
+    summary = json.loads((out / "summary.json").read_text())
+    g = summary["generation"]["vase-attnv@16/w4:greedy"]
+    assert g["n"] == 2 and "mcnemar_p" in g["vs_full"] and "same_answer" in g["vs_full"]
+    assert "kl_after_first_eviction" in summary["teacher_forced"]["vase-attnv@16/w4:greedy:tf"]
+    for png in ("accuracy.png", "fidelity.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert (out / "gsm_symbolic.gsm8k.jsonl").exists()
+
+    # resume: a run killed mid-write leaves a cut last line and misses some rows; a new harness
+    # (on the same server, to save a startup) redoes exactly those and keeps the rest
+    lines = records.read_text().splitlines()
+    dropped = {json.loads(x)["key"] for x in lines[-3:]}
+    records.write_text("\n".join(lines[:-3]) + "\n" + lines[-3][:20])
+    h2 = acc.Harness(a)
+    h2.adopt_server(h)
+    try:
+        acc.run_stages(h2)
+    finally:
+        h2.close()
+    again = {}
+    for x in records.read_text().splitlines():
+        try:
+            r = json.loads(x)
+        except json.JSONDecodeError:
+            continue
+        again[r["key"]] = r
+    assert len(again) == len(rows) and dropped <= set(again)
+    kept = {json.loads(x)["key"]: x for x in lines[:-3]}
+    assert all(json.dumps(again[k]) == v for k, v in kept.items())
