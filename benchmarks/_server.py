@@ -41,8 +41,8 @@ class BenchServer:
     """`args` are extra launch_server arguments (e.g. the --kv-evict-* flags)."""
 
     def __init__(self, model: str, args=(), *, log_path: str | Path, max_total_tokens: int = 65536,
-                 max_running: int = 64, env: dict | None = None, timeout: float = 600.0,
-                 threads: int = 1):
+                 max_running: int | None = 64, env: dict | None = None, timeout: float = 600.0,
+                 threads: int = 1, teacher_forcing: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
@@ -50,10 +50,11 @@ class BenchServer:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
                "--host", "127.0.0.1", "--port", str(self.port),
                "--max-total-tokens", str(max_total_tokens),
-               "--max-running-requests", str(max_running),
+               *([] if max_running is None else ["--max-running-requests", str(max_running)]),
                # the teacher-forced mode sends a logit processor; the overlap scheduler is off
                # so that the processor sees req.output_ids of the step it is forcing
-               "--enable-custom-logit-processor", "--disable-overlap-schedule",
+               *(["--enable-custom-logit-processor", "--disable-overlap-schedule"]
+                 if teacher_forcing else []),
                *([] if on_cuda() else CPU_FLAGS), *map(str, args)]
         full_env = {k: v for k, v in os.environ.items()
                     if not k.startswith("VASE_KV_EVICT_") and k != "TRITON_INTERPRET"}
@@ -94,6 +95,16 @@ class BenchServer:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
         return json.loads(body) if body.strip() else None
+
+    def flush_cache(self) -> None:
+        """Drop the radix cache (its answer is plain text, not JSON)."""
+        req = urllib.request.Request(self.url + "/flush_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+
+    def get_text(self, path: str, timeout: float = 60) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.read().decode()
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -23,84 +23,18 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._server import BenchServer, on_cuda  # noqa: E402
+
 DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+), #token: (\d+)")
-
-
-def on_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One launch_server process; its output goes to `log`."""
-
-    def __init__(self, model: str, pool: int, args: list[str], log: Path, timeout: float = 600):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--max-total-tokens", str(pool),
-               "--decode-log-interval", "1", "--enable-metrics",
-               *([] if on_cuda() else CPU_FLAGS), *args]
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("VASE_KV_EVICT_") and k != "TRITON_INTERPRET"}
-        env.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   TOKENIZERS_PARALLELISM="false")
-        self._fh = open(log, "w")
-        self._fh.write(" ".join(cmd) + "\n")
-        self._fh.flush()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._fh, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.time() + timeout
-        while "The server is fired up and ready to roll" not in self.output():
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start; see {log}:\n{self.output()[-3000:]}")
-            time.sleep(0.5)
-
-    def output(self) -> str:
-        self._fh.flush()
-        return self.log.read_text()
-
-    def get_text(self, path: str) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=60) as r:
-            return r.read().decode()
-
-    def flush_cache(self) -> None:
-        req = urllib.request.Request(self.url + "/flush_cache", data=b"", method="POST")
-        urllib.request.urlopen(req, timeout=60).read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._fh.close()
 
 
 def eviction_seconds(metrics_text: str) -> float:
@@ -125,7 +59,7 @@ def decode_stats(log_text: str) -> dict:
     }
 
 
-def run_client(server: Server, args, concurrency: int, out_file: Path, tokenizer: str) -> dict:
+def run_client(server: BenchServer, args, concurrency: int, out_file: Path, tokenizer: str) -> dict:
     cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
            "--base-url", server.url, "--tokenizer", tokenizer, "--model", tokenizer,
            "--dataset-name", "random-ids", "--random-input-len", str(args.input_len),
@@ -149,11 +83,16 @@ CLIENT_KEYS = ["duration", "completed", "total_output_tokens", "output_throughpu
 
 def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path) -> list[dict]:
     log = out_dir / f"server-{name.replace('@', '_at_')}.log"
-    server = Server(args.model_path, pool, server_args, log)
+    log.unlink(missing_ok=True)
+    server = BenchServer(args.model_path,
+                         ["--decode-log-interval", "1", "--enable-metrics", *server_args],
+                         log_path=log, max_total_tokens=pool, max_running=None,
+                         teacher_forcing=False,
+                         threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     rows = []
     try:
         for c in args.concurrency:
-            server.flush_cache()  # same prompts every run: no prefix hits from the previous one
+            server.flush_cache()  # same prompts every run: no prefix hits from the last one
             start_log = len(server.output())
             seconds_before = eviction_seconds(server.get_text("/metrics"))
             with tempfile.TemporaryDirectory() as tmp:
