@@ -82,6 +82,16 @@ class Server:
             body = r.read()
         return json.loads(body) if body.strip() else None
 
+    def post_status(self, path: str, payload: dict, timeout: float = 120) -> tuple[int, dict]:
+        """POST that also returns error answers: (HTTP status, JSON body)."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
     def generate(self, text=None, *, input_ids=None, max_new_tokens=64, **kwargs) -> dict:
         sampling = {"max_new_tokens": max_new_tokens, "temperature": 0}
         sampling.update(kwargs.pop("sampling_params", {}))

@@ -8,8 +8,6 @@ user sees.
 """
 
 import json
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -88,18 +86,8 @@ def server(tiny_model):
         yield s
 
 
-def _post(server, path, payload):
-    req = urllib.request.Request(server.url + path, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
-
-
 def _generate(server, kv_evict):
-    return _post(server, "/generate", {"text": PROMPT, "sampling_params": {
+    return server.post_status("/generate", {"text": PROMPT, "sampling_params": {
         "max_new_tokens": 60, "temperature": 0, "ignore_eos": True,
         "custom_params": {"kv_evict": kv_evict}}})
 
@@ -112,12 +100,12 @@ def test_bad_request_values_are_answered_with_400_and_the_server_keeps_serving(s
         assert code == 400, (value, body)
         assert body["error"]["message"].startswith(message), (value, body)
     # The OpenAI route gives the same message.
-    code, body = _post(server, "/v1/completions", {
+    code, body = server.post_status("/v1/completions", {
         "model": "default", "prompt": PROMPT, "max_tokens": 4,
         "custom_params": {"kv_evict": REQUEST_CASES[0][0]}})
     assert code == 400 and REQUEST_CASES[0][1] in json.dumps(body), body
     # A token id outside the vocabulary would crash SGLang's scheduler; it is a 400 instead.
-    code, body = _post(server, "/generate", {"input_ids": [1, 2, 10**6],
+    code, body = server.post_status("/generate", {"input_ids": [1, 2, 10**6],
                                              "sampling_params": {"max_new_tokens": 4}})
     assert code == 400 and body["error"]["message"].startswith(
         "input_ids: token id 1000000 is outside the vocabulary [0, "), body

@@ -5,8 +5,6 @@ naming `kv_evict.<field>`, and the server keeps serving."""
 
 import json
 import threading
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -48,16 +46,6 @@ def _gen(server, kv_evict=None, prompt=PROMPT, n=N):
     out = server.post("/generate", {"text": prompt, "sampling_params": params})
     # A server without eviction does not report the count.
     return out["output_ids"], out["meta_info"].get("kv_evicted_tokens", 0)
-
-
-def _post_status(server, path, payload):
-    req = urllib.request.Request(server.url + path, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
 
 
 def test_kv_evict_false_equals_stock(servers):
@@ -105,20 +93,20 @@ def test_openai_routes_pass_custom_params_through(servers):
         "max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "sampling_seed": 77}})["text"]
     body = {"model": "default", "prompt": PROMPT, "max_tokens": 40, "temperature": 0,
             "ignore_eos": True, "seed": 77, "custom_params": {"kv_evict": OWN}}
-    code, out = _post_status(servers["evict"], "/v1/completions", body)
+    code, out = servers["evict"].post_status("/v1/completions", body)
     assert code == 200, out
     assert out["choices"][0]["text"] == ref_text
-    code, out = _post_status(servers["evict"], "/v1/completions",
+    code, out = servers["evict"].post_status("/v1/completions",
                              dict(body, custom_params={"kv_evict": {"budget": 2}}))
     assert code == 400 and "kv_evict.budget: must be larger than window" in json.dumps(out), out
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
             "custom_params": {"kv_evict": {"policy": "nope"}}}
-    code, out = _post_status(servers["evict"], "/v1/chat/completions", chat)
+    code, out = servers["evict"].post_status("/v1/chat/completions", chat)
     assert code == 400 and "kv_evict.policy: unknown policy 'nope'" in json.dumps(out), out
 
 
 def test_eviction_request_on_a_server_without_eviction_is_refused(servers):
-    code, out = _post_status(servers["stock"], "/generate", {
+    code, out = servers["stock"].post_status("/generate", {
         "text": PROMPT, "sampling_params": {"max_new_tokens": 4,
                                             "custom_params": {"kv_evict": {"budget": 64}}}})
     assert code == 400
