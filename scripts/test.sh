@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# --durations: every run reports its slowest tests, so CI time is measured, not guessed.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
