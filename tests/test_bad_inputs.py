@@ -1,4 +1,4 @@
-"""The bad-input matrix (README "Reliability"): each bad setting is refused with the message the
+"""The bad-input matrix (docs/reliability.md): each bad setting is refused with the message the
 user sees.
 
 - Bad server configurations stop `python -m sglang.launch_server` at startup with a message
