@@ -15,6 +15,7 @@ Nothing here knows about SGLang: inputs are plain tensors with any leading batch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -43,6 +44,16 @@ class AttentionParams:
 
     scaling: float | None = None  # logit = q . k * scaling; None: 1/sqrt(head_dim)
     softcap: float = 0.0  # > 0: logit = softcap * tanh(logit / softcap) (Gemma-2); 0: none
+
+    @classmethod
+    def of_layer(cls, scaling, softcap, head_dim: int) -> "AttentionParams":
+        """From an attention layer's own values (softcap None or 0: none). The standard
+        1/sqrt(head_dim), however the model spells it, becomes None: the default arithmetic,
+        so standard models score bit-identically to a call without AttentionParams."""
+        scaling = float(scaling)
+        if math.isclose(scaling, 1.0 / math.sqrt(head_dim), rel_tol=1e-9):
+            scaling = None
+        return cls(scaling=scaling, softcap=float(softcap or 0.0))
 
 
 @dataclass(frozen=True)
