@@ -87,3 +87,50 @@ def _candidates(model, ids):
     values = torch.stack([lay.values[0, :, :n] for lay in cache.layers])
     queries = torch.stack([q[0, :, -WINDOW:] for q in decoder._queries])
     return keys, values, queries
+
+
+# ---------------------------------------------------------------- startup checks on SGLang layers
+# Real RadixAttention modules (their constructor needs no distributed state). No model that
+# SGLang 0.5.23 serves from a plain MHA pool has v_head_dim != head_dim (those that do use MLA or
+# hybrid pools, refused before this check), so the check is tested on the function the startup
+# hook (after_post_pool) calls.
+
+
+def _layers(count=2, head_dim=32, scaling=None, **kwargs):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    return [RadixAttention(4, head_dim, scaling, 2, layer_id=i, **kwargs) for i in range(count)]
+
+
+def test_startup_check_reads_the_models_scaling_and_cap():
+    from vase_sglang import AttentionParams
+    from vase_sglang_patches.model_runner import check_attention_layers
+
+    assert check_attention_layers(_layers(), 2, 32, 32) == AttentionParams()  # 1/sqrt(D)
+    assert check_attention_layers(_layers(scaling=0.6), 2, 32, 32) == AttentionParams(0.6, 0.0)
+    capped = check_attention_layers(_layers(scaling=0.0625, logit_cap=30.0), 2, 32, 32)
+    assert capped == AttentionParams(0.0625, 30.0)
+
+
+def test_startup_check_refuses_what_eviction_cannot_score():
+    from vase_sglang_patches.model_runner import check_attention_layers
+
+    with pytest.raises(ValueError, match="value head dim 16 differs from the key head dim 32"):
+        check_attention_layers(_layers(v_head_dim=16), 2, 32, 16)
+    mixed = _layers(scaling=0.1) + _layers(scaling=0.2)[1:]
+    with pytest.raises(ValueError, match=r"differ in \(scaling, logit cap\)"):
+        check_attention_layers(mixed, 2, 32, 32)
+    with pytest.raises(ValueError, match="logit capping method"):
+        check_attention_layers(_layers(logit_cap=5.0, logit_capping_method="other"), 2, 32, 32)
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_attention_layers(_layers(sliding_window_size=64), 2, 32, 32)
+
+
+def test_kv_head_offset_follows_sglangs_kv_head_sharding():
+    from vase_sglang_patches.model_runner import kv_head_offset
+
+    assert kv_head_offset(8, 8, 0, 1) == (0, 1)
+    assert [kv_head_offset(8, 4, r, 2) for r in range(2)] == [(0, 1), (4, 1)]
+    # tp 4 > 2 KV heads: QKVParallelLinear gives rank r head r // 2 (2 replicas per head).
+    assert [kv_head_offset(2, 1, r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
