@@ -31,6 +31,17 @@ RING_SHARE = 0.15  # of the memory left for the KV pool, when --max-running-requ
 _row_cap: int | None = None  # max running requests the reserved ring can serve (this process)
 
 
+def query_ring_dtype(kv_cache_dtype, model_dtype):
+    """The query ring's dtype, for both its reservation and its allocation: the KV cache's
+    (queries are scored against keys stored at that precision), or the model's where the KV
+    cache is not a 16/32-bit float (then eviction is refused at startup anyway)."""
+    import torch
+
+    if kv_cache_dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return kv_cache_dtype
+    return model_dtype
+
+
 def ring_bytes(num_layers: int, rows: int, window: int, num_q_heads: int, head_dim: int,
                element_size: int) -> int:
     return num_layers * rows * window * num_q_heads * head_dim * element_size
@@ -63,12 +74,14 @@ def around_profile(original, self, *args, **kwargs):
     requested = get_schedule().max_running_requests
     if requested:
         requested = max(1, requested // max(1, self.attn_dp_size))
+    dtype = query_ring_dtype(self.kv_cache_dtype, self.model_dtype)
     per_row = ring_bytes(len(layers), 1, cfg.window, layers[0].tp_q_head_num,
-                         layers[0].qk_head_dim, self.model_dtype.itemsize)
+                         layers[0].qk_head_dim, dtype.itemsize)
     rows, _row_cap = ring_rows(available, per_row, requested)
     reserve = rows * per_row
     logger.info(
-        "VaSE query ring: reserving %.1f MiB for %d request rows%s", reserve / 2**20, rows,
+        "VaSE query ring: reserving %.1f MiB (%d bytes of %s) for %d request rows%s",
+        reserve / 2**20, reserve, dtype, rows,
         "" if requested else
         (f" ({RING_SHARE:.0%} of free memory: max running requests capped to {_row_cap}; "
          "set --max-running-requests to choose)" if _row_cap else ""),

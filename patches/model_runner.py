@@ -7,9 +7,10 @@ import logging
 
 import torch
 
-from vase_sglang.policies import POLICIES
+from vase_sglang.policies import POLICIES, AttentionParams
 
 from . import output, runtime
+from .memory import query_ring_dtype
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -24,6 +25,82 @@ def _attention_layers(model):
     from sglang.srt.layers.radix_attention import RadixAttention
 
     return [m for m in model.modules() if isinstance(m, RadixAttention)]
+
+
+def check_attention_layers(layers, pool_head_num: int, pool_head_dim: int,
+                           pool_v_head_dim: int) -> AttentionParams:
+    """Refuse at startup what the eviction step cannot score or compact correctly, and return
+    the model's attention logit parameters (the same in every layer)."""
+    if not layers:
+        raise ValueError("--model-path: no RadixAttention layer found; the model is not supported")
+    for layer in layers:
+        if getattr(layer, "sliding_window_size", -1) not in (-1, None, 0):
+            raise ValueError(
+                "--model-path: sliding-window attention layers read slot order; "
+                "KV eviction does not support them"
+            )
+        if layer.v_head_dim != layer.qk_head_dim or pool_v_head_dim != pool_head_dim:
+            raise ValueError(
+                f"--model-path: value head dim {layer.v_head_dim} differs from the key head dim "
+                f"{layer.qk_head_dim} (layer {layer.layer_id}); KV eviction needs equal K and V "
+                f"head dims"
+            )
+        if layer.tp_k_head_num != pool_head_num or layer.qk_head_dim != pool_head_dim:
+            raise ValueError("--model-path: attention heads differ from the KV pool layout")
+        if getattr(layer, "logit_cap", 0) and getattr(layer, "logit_capping_method", "tanh") != "tanh":
+            raise ValueError(
+                f"--model-path: logit capping method {layer.logit_capping_method!r} is not "
+                f"supported by KV eviction (only tanh soft-capping)"
+            )
+        if getattr(layer, "xai_temperature_len", -1) > 0:
+            raise ValueError(
+                "--model-path: position-dependent attention temperature (xai_temperature_len) "
+                "is not supported by KV eviction"
+            )
+    found = {(float(layer.scaling), float(layer.logit_cap or 0.0)) for layer in layers}
+    if len(found) != 1:
+        raise ValueError(
+            f"--model-path: attention layers differ in (scaling, logit cap): {sorted(found)}; "
+            f"KV eviction supports one value for all layers"
+        )
+    scaling, softcap = found.pop()
+    return AttentionParams.of_layer(scaling, softcap, layers[0].qk_head_dim)
+
+
+def kv_head_offset(total_kv_heads: int, local_kv_heads: int, attn_tp_rank: int,
+                   attn_tp_size: int) -> tuple[int, int]:
+    """(global index of this rank's first KV head, ranks sharing each head). SGLang shards KV
+    heads over the attention-TP group (QKVParallelLinear, KV pool head_num); with more ranks
+    than heads each head is replicated on attn_tp_size / heads consecutive ranks (shard
+    kv_tp_rank // replicas)."""
+    replicas = max(1, attn_tp_size // total_kv_heads)
+    offset = (attn_tp_rank // replicas) * local_kv_heads
+    if offset + local_kv_heads > total_kv_heads:
+        raise ValueError(
+            f"--tp-size: rank {attn_tp_rank} of {attn_tp_size} would hold KV heads "
+            f"[{offset}, {offset + local_kv_heads}) of {total_kv_heads}"
+        )
+    return offset, replicas
+
+
+def _rank_kv_heads(model_runner, pool, cfg) -> int:
+    """This rank's KV head offset; refuses replicated KV heads for window-attention policies
+    (each replica sees only its share of the GQA group's queries, so replicas would score
+    differently and a tp > KV-heads server would not draw what tp=1 draws)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    total = model_runner.model_config.get_total_num_kv_heads()
+    offset, replicas = kv_head_offset(total, pool.head_num, parallel.attn_tp_rank,
+                                      parallel.attn_tp_size)
+    if replicas > 1 and POLICIES[cfg.policy].needs_queries:
+        raise ValueError(
+            f"--tp-size: {parallel.attn_tp_size} attention-TP ranks replicate the model's "
+            f"{total} KV heads; --kv-evict-policy {cfg.policy} scores each head from its whole "
+            f"query group, which a replica does not hold. Use at most {total} TP ranks or a "
+            f"policy that reads no queries"
+        )
+    return offset
 
 
 def after_post_pool(result, model_runner):
@@ -42,24 +119,24 @@ def after_post_pool(result, model_runner):
             f"--model-path: KV eviction needs a plain MHA KV pool, this model uses "
             f"{type(pool).__name__} (MLA, hybrid SWA/Mamba and quantised pools are not supported)"
         )
+    if pool.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (
+        getattr(pool, "store_dtype", pool.dtype) != pool.dtype
+    ):
+        raise ValueError(
+            f"--kv-cache-dtype: KV eviction reads and moves K/V as float16, bfloat16 or "
+            f"float32; this KV cache is {pool.dtype}"
+        )
     layers = _attention_layers(model_runner.model)
-    if not layers:
-        raise ValueError("--model-path: no RadixAttention layer found; the model is not supported")
-    for layer in layers:
-        if getattr(layer, "sliding_window_size", -1) not in (-1, None, 0):
-            raise ValueError(
-                "--model-path: sliding-window attention layers read slot order; "
-                "KV eviction does not support them"
-            )
-        if layer.tp_k_head_num != pool.head_num or layer.qk_head_dim != pool.head_dim:
-            raise ValueError("--model-path: attention heads differ from the KV pool layout")
+    attention = check_attention_layers(layers, pool.head_num, pool.head_dim,
+                                       getattr(pool, "v_head_dim", pool.head_dim))
+    head_offset = _rank_kv_heads(model_runner, pool, cfg)
     num_q_heads, head_dim = layers[0].tp_q_head_num, layers[0].qk_head_dim
     queries = None
     if POLICIES[cfg.policy].needs_queries:
         rows = model_runner.req_to_token_pool.req_to_token.shape[0]
         queries = torch.zeros(
             (len(pool.k_buffer), rows, cfg.window, num_q_heads, head_dim),
-            dtype=pool.dtype if pool.dtype.is_floating_point else torch.bfloat16,
+            dtype=query_ring_dtype(pool.dtype, model_runner.dtype),
             device=pool.k_buffer[0].device,
         )
     runtime.RUNTIME = runtime.EvictionRuntime(
@@ -72,11 +149,14 @@ def after_post_pool(result, model_runner):
         head_dim=head_dim,
         start_layer=getattr(pool, "start_layer", 0) or 0,
         queries=queries,
+        attention=attention,
+        kv_head_offset=head_offset,
     )
     output.enable_in_scheduler()
-    ring_mb = 0 if queries is None else queries.numel() * queries.element_size() / 2**20
+    ring = 0 if queries is None else queries.numel() * queries.element_size()
     logger.info(
-        "VaSE eviction on: %s (query ring %.1f MiB)", cfg, ring_mb,
+        "VaSE eviction on: %s (query ring %.1f MiB = %d bytes of %s; KV heads from %d; %s)",
+        cfg, ring / 2**20, ring, None if queries is None else queries.dtype, head_offset, attention,
     )
 
 

@@ -28,7 +28,7 @@ import torch
 
 from vase_sglang import EvictionConfig, select_tokens
 from vase_sglang.ops import compact_kv_
-from vase_sglang.policies import POLICIES
+from vase_sglang.policies import POLICIES, AttentionParams
 
 from . import metrics, request_control
 
@@ -63,6 +63,8 @@ class EvictionRuntime:
     start_layer: int
     queries: torch.Tensor | None  # ring [layers, rows, window, H_q, D] of post-RoPE queries
     stats: EvictionStats = field(default_factory=EvictionStats)
+    attention: AttentionParams = AttentionParams()  # the model's logit scaling and soft-cap
+    kv_head_offset: int = 0  # global index of this rank's first KV head (tensor parallel)
 
     @property
     def num_layers(self) -> int:
@@ -163,7 +165,7 @@ class EvictionRuntime:
         keep = select_tokens(
             cfg, keys, values, queries,
             request=request[:, None], layer=layers[None, :], round=rounds[:, None],
-            sinks=sinks, check=False,
+            sinks=sinks, check=False, attention=self.attention, head_offset=self.kv_head_offset,
         )
         compact_kv_(self.k_buffers, self.v_buffers, slots, keep, ascending=policy.ascending)
 

@@ -98,6 +98,44 @@ def test_window_attention_odd_head_dim_and_strided_keys(dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "scaling,softcap",
+    [(0.5, 0.0), (0.02, 0.0), (None, 5.0), (0.25, 2.0), (1.0 / 16, 50.0)],  # 50: Gemma-2's cap
+)
+def test_window_attention_model_scaling_and_softcap(dtype, scaling, softcap):
+    # Large logits (scale 4, scaling 0.5) so the tanh cap actually bends them.
+    q = _randn(2, 6, 8, 64, dtype=dtype, seed=13, scale=4.0)
+    k = _randn(2, 3, 61, 64, dtype=dtype, seed=14, scale=4.0)
+    kwargs = dict(temperature=0.8, pool_kernel=5, scaling=scaling, softcap=softcap)
+    out = window_attention_triton(q, k, **kwargs)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, window_attention_reference(q, k, **kwargs), **SCORE_TOL)
+
+
+def test_window_attention_reference_follows_the_models_logits():
+    # The score with a model's scaling / cap is the one of 1/sqrt(D) scores on rescaled
+    # queries: q * scaling * sqrt(D) (no cap), and a cap changes it (tanh bends large logits).
+    q = _randn(1, 4, 6, 32, seed=15, scale=3.0)
+    k = _randn(1, 2, 40, 32, seed=16, scale=3.0)
+    scaled = window_attention_reference(q, k, scaling=0.3)
+    torch.testing.assert_close(scaled, window_attention_reference(q * (0.3 * 32**0.5), k), **SCORE_TOL)
+    assert not torch.allclose(scaled, window_attention_reference(q, k), rtol=1e-2, atol=1e-4)
+    capped = window_attention_reference(q, k, scaling=0.3, softcap=3.0)
+    assert not torch.allclose(capped, scaled, rtol=1e-2, atol=1e-4)
+    # With a cap far above every logit, tanh is the identity to within float error.
+    torch.testing.assert_close(window_attention_reference(q, k, scaling=0.3, softcap=1e6), scaled,
+                               rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [dict(scaling=0.0), dict(scaling=float("nan")), dict(softcap=-1.0)])
+def test_window_attention_rejects_bad_logit_params(kwargs):
+    q, k = torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 9, 64)
+    for fn in (window_attention_reference, window_attention_triton):
+        with pytest.raises(ValueError):
+            fn(q, k, **kwargs)
+
+
 def test_window_attention_rejects_even_pool_kernel():
     with pytest.raises(ValueError):
         window_attention_triton(torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 9, 64), pool_kernel=4)

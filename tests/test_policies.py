@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from vase_sglang import POLICY_NAMES, Draws, EvictionConfig, select_tokens
+from vase_sglang import POLICY_NAMES, AttentionParams, Draws, EvictionConfig, select_tokens
 from vase_sglang.ops import value_range_reference, window_attention_reference
 
 torch.set_num_threads(1)
@@ -151,6 +151,52 @@ def test_draws_do_not_depend_on_batch_neighbours():
     together = select_tokens(cfg, k, v, q, request=torch.tensor([10, 11, 12]), layer=1, round=4)
     alone = select_tokens(cfg, k[1:2], v[1:2], q[1:2], request=torch.tensor([11]), layer=1, round=4)
     assert torch.equal(together[1:2], alone)
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_tensor_parallel_head_shards_select_what_one_process_selects(policy):
+    # A tp=2 rank holds KV heads [o, o + 2) and their query heads; with head_offset = o its
+    # selection must be the one-process selection of those heads (issue 12: tp=2 == tp=1).
+    cfg = EvictionConfig(policy=policy, budget=64, window=16, seed=3)
+    k, v, q = _kvq(h_kv=4, group=2, n=150)
+    ids = dict(request=torch.tensor([[5], [9]]), layer=torch.arange(3), round=torch.tensor([[1], [4]]))
+    whole = select_tokens(cfg, k, v, q, **ids)
+
+    def shard(first, offset):
+        heads, q_heads = slice(first, first + 2), slice(2 * first, 2 * first + 4)
+        return select_tokens(cfg, k[..., heads, :, :], v[..., heads, :, :],
+                             q[..., q_heads, :, :], head_offset=offset, **ids)
+
+    assert torch.equal(torch.cat([shard(0, 0), shard(2, 2)], dim=-2), whole)
+    if policy in ("vase-attnv", "random"):
+        # The check can fail: keyed by the local head (offset 0 on every rank), rank 1 reuses
+        # rank 0's noise and selects other tokens.
+        assert not torch.equal(shard(2, 0), whole[..., 2:, :])
+
+
+def test_head_offset_keys_the_gumbel_noise_by_global_head():
+    draws = Draws.make(7, (2,), "cpu", request=torch.tensor([1, 2]), layer=3, round=1)
+    shifted = Draws.make(7, (2,), "cpu", request=torch.tensor([1, 2]), layer=3, round=1,
+                         head_offset=3)
+    assert torch.equal(draws.gumbel((5, 40))[:, 3:], shifted.gumbel((2, 40)))
+    with pytest.raises(ValueError, match="head_offset"):
+        select_tokens(EvictionConfig(policy="random", budget=64, window=16), *_kvq()[:2],
+                      head_offset=-1)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "rkv", "vase-attnv"])
+def test_attention_scores_use_the_models_scaling_and_softcap(policy):
+    # A model whose logit scale is not 1/sqrt(D) (Granite's attention_multiplier, Gemma-2's
+    # query_pre_attn_scalar) or that soft-caps its logits: the selection must follow its
+    # attention, i.e. equal the default selection on queries rescaled to the same logits.
+    cfg = EvictionConfig(policy=policy, budget=64, window=16, seed=1)
+    k, v, q = _kvq(n=150, d=32)
+    ids = dict(request=torch.tensor([[5], [9]]), layer=torch.arange(3), round=2)
+    scaled = select_tokens(cfg, k, v, q, attention=AttentionParams(scaling=0.6), **ids)
+    assert torch.equal(scaled, select_tokens(cfg, k, v, q * (0.6 * 32**0.5), **ids))
+    assert not torch.equal(scaled, select_tokens(cfg, k, v, q, **ids))
+    capped = select_tokens(cfg, k, v, q, attention=AttentionParams(scaling=0.6, softcap=1.0), **ids)
+    assert not torch.equal(capped, scaled)
 
 
 def test_vase_dkv_redraws_projection_each_round_curdkv_does_not():

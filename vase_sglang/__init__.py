@@ -7,7 +7,14 @@ The SGLang hooks live in the separate package `vase_sglang_patches` (folder `pat
 
 from .config import POLICY_NAMES, EvictionConfig
 from .ops import kernel_backend
-from .policies import POLICIES, Draws, Policy, register_policy, select_tokens
+from .policies import (
+    POLICIES,
+    AttentionParams,
+    Draws,
+    Policy,
+    register_policy,
+    select_tokens,
+)
 
 __version__ = "0.1.0"
 
@@ -17,6 +24,7 @@ __all__ = [
     "POLICIES",
     "Policy",
     "Draws",
+    "AttentionParams",
     "select_tokens",
     "register_policy",
     "kernel_backend",

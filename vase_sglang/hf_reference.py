@@ -6,7 +6,9 @@ teacher-forced fidelity measurements. Semantics mirrored from the plugin:
   - before decoding a token (not right after the prefill), if the private cache holds n + window tokens with n >= budget,
     the policy keeps budget - window of the n oldest private tokens per (layer, KV head);
   - the window queries are the post-RoPE queries of the last `window` processed positions;
-  - RoPE positions stay the true positions; draws are keyed by (seed, request key, layer, round).
+  - RoPE positions stay the true positions; draws are keyed by (seed, request key, layer, round)
+    and the global KV head (this loop holds every head: offset 0);
+  - window-attention scores use the model's own logit scaling and soft-cap (`attention_params`).
 
 Supports the Llama-style families whose attention calls a module-level
 `apply_rotary_pos_emb(q, k, cos, sin)` (Qwen2, Qwen3, Llama): the queries are recorded there.
@@ -20,7 +22,22 @@ from contextlib import contextmanager
 import torch
 
 from .config import EvictionConfig
-from .policies import select_tokens
+from .policies import AttentionParams, select_tokens
+
+
+def attention_params(model) -> AttentionParams:
+    """The logit scaling and tanh soft-cap of a transformers model's attention modules (their
+    `scaling` and, for Gemma-2-like models, `attn_logit_softcapping`), equal in every layer."""
+    found = {
+        (float(m.scaling), float(getattr(m, "attn_logit_softcapping", None) or 0.0), m.head_dim)
+        for m in model.modules()
+        if hasattr(m, "scaling") and hasattr(m, "layer_idx") and hasattr(m, "head_dim")
+    }
+    if len(found) != 1:
+        raise ValueError(f"model: expected one (scaling, softcap, head_dim) in all attention "
+                         f"layers, found {sorted(found) or 'no attention layer'}")
+    scaling, softcap, head_dim = found.pop()
+    return AttentionParams.of_layer(scaling, softcap, head_dim)
 
 
 class ReferenceDecoder:
@@ -29,6 +46,7 @@ class ReferenceDecoder:
         self.cfg = cfg
         self.protect_prompt = protect_prompt
         self._queries: list[torch.Tensor] = []
+        self.attention = attention_params(model)
         arch = type(model).__module__
         self._modeling = importlib.import_module(arch)
         if not hasattr(self._modeling, "apply_rotary_pos_emb"):
@@ -112,7 +130,7 @@ class ReferenceDecoder:
         keep = select_tokens(
             cfg, keys, values, queries, request=request_key,
             layer=torch.arange(len(layers)), round=rounds,
-            sinks=max(0, cfg.sinks - prefix),
+            sinks=max(0, cfg.sinks - prefix), attention=self.attention,
         )  # [L, H, K]
         for layer, lay in enumerate(layers):
             for name in ("keys", "values"):

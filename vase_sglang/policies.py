@@ -15,6 +15,7 @@ Nothing here knows about SGLang: inputs are plain tensors with any leading batch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,18 +35,45 @@ def top_indices(score: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class AttentionParams:
+    """How the model turns q . k into attention logits, for the window-attention scores.
+
+    Facts of the model (SGLang: RadixAttention.scaling / logit_cap; transformers: the attention
+    module's scaling / attn_logit_softcapping), not user settings, so not in EvictionConfig.
+    """
+
+    scaling: float | None = None  # logit = q . k * scaling; None: 1/sqrt(head_dim)
+    softcap: float = 0.0  # > 0: logit = softcap * tanh(logit / softcap) (Gemma-2); 0: none
+
+    @classmethod
+    def of_layer(cls, scaling, softcap, head_dim: int) -> "AttentionParams":
+        """From an attention layer's own values (softcap None or 0: none). The standard
+        1/sqrt(head_dim), however the model spells it, becomes None: the default arithmetic,
+        so standard models score bit-identically to a call without AttentionParams."""
+        scaling = float(scaling)
+        if math.isclose(scaling, 1.0 / math.sqrt(head_dim), rel_tol=1e-9):
+            scaling = None
+        return cls(scaling=scaling, softcap=float(softcap or 0.0))
+
+
+@dataclass(frozen=True)
 class Draws:
     """Random streams of one batched eviction step: one 32-bit key per batch element.
 
     `per_round` changes every eviction round; `per_generation` is fixed for a request's whole
     generation (curdkv's projection is drawn once, vase-dkv's at every round).
+    `head_offset` is the global index of local KV head 0: per-head noise is indexed by the
+    global head, so a tensor-parallel rank holding heads [o, o + h) draws what one process
+    holding all heads draws for them (offset 0 reproduces the draws of one process).
     """
 
     per_round: torch.Tensor
     per_generation: torch.Tensor
+    head_offset: int = 0
 
     @classmethod
-    def make(cls, seed: int, batch_shape, device, request=None, layer=None, round=0) -> "Draws":
+    def make(cls, seed: int, batch_shape, device, request=None, layer=None, round=0,
+             head_offset: int = 0) -> "Draws":
         if request is None and layer is None:
             # No identities given: each batch element is its own stream.
             count = 1
@@ -66,7 +94,7 @@ class Draws:
             )
         gen = rng.stream_key(seed, request, layer, device=device).expand(shape)
         per_round = rng.stream_key(seed, request, layer, round + 1, device=device).expand(shape)
-        return cls(per_round=per_round, per_generation=gen)
+        return cls(per_round=per_round, per_generation=gen, head_offset=head_offset)
 
     @staticmethod
     def _index(key: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +105,11 @@ class Draws:
         return key.reshape(*key.shape, *([1] * len(shape))), index
 
     def gumbel(self, shape) -> torch.Tensor:
-        """Gumbel noise [*batch, *shape], new every round."""
-        return rng.gumbel(*self._index(self.per_round, shape))
+        """Gumbel noise [*batch, heads, n] for shape (heads, n), new every round. Element
+        (h, j) is stream index (head_offset + h) * n + j: the global KV head's own noise."""
+        heads, n = shape
+        key, index = self._index(self.per_round, (heads, n))
+        return rng.gumbel(key, index + self.head_offset * n)
 
     def projection(self, head_dim: int, rank: int, per_round: bool) -> torch.Tensor:
         """G [*batch, D, r] with entries N(0, 1/r), shared by the KV heads of a layer."""
@@ -90,6 +121,7 @@ class Draws:
 @dataclass(frozen=True)
 class Policy:
     cfg: EvictionConfig
+    attention: AttentionParams = AttentionParams()
     needs_queries: ClassVar[bool] = False
     reads_kv: ClassVar[bool] = True  # False: the score ignores K/V contents (engines skip the read)
     samples: ClassVar[bool] = False  # weighted sampling without replacement instead of top-k
@@ -148,7 +180,8 @@ class SnapKVPolicy(Policy):
 
     def score(self, keys, values, queries, draws):
         return ops.window_attention(
-            queries, keys, temperature=self.cfg.temperature, pool_kernel=self.cfg.pool_kernel
+            queries, keys, temperature=self.cfg.temperature, pool_kernel=self.cfg.pool_kernel,
+            scaling=self.attention.scaling, softcap=self.attention.softcap,
         )
 
 
@@ -272,6 +305,8 @@ def select_tokens(
     round=0,
     sinks: int | None = None,
     check: bool = True,
+    attention: AttentionParams | None = None,
+    head_offset: int = 0,
 ) -> torch.Tensor:
     """Candidate indices to keep, LongTensor [..., H_kv, budget - window], ascending per head.
 
@@ -281,17 +316,26 @@ def select_tokens(
     random draws; with neither request nor layer, each batch element is its own stream.
     sinks: how many of the first candidates are sinks (default cfg.sinks; an engine whose
     protected prompt already holds the sinks passes fewer). check: raise on NaN scores
-    (costs a device sync).
+    (costs a device sync). attention: the model's logit scaling and soft-cap (default
+    1/sqrt(D), none). head_offset: global index of the first KV head in `keys` (a
+    tensor-parallel rank's first head), so per-head draws do not depend on the sharding.
     """
     if not isinstance(cfg, EvictionConfig):
         raise ValueError(f"cfg: expected an EvictionConfig, got {type(cfg).__name__}")
     n = keys.shape[-2] if keys.dim() >= 2 else 0
     if not cfg.evicts:
         return torch.arange(n, device=keys.device).expand(*keys.shape[:-2], n)
-    policy = POLICIES[cfg.policy](cfg)
+    if attention is None:
+        attention = AttentionParams()
+    if not isinstance(attention, AttentionParams):
+        raise ValueError(f"attention: expected an AttentionParams, got {type(attention).__name__}")
+    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
+        raise ValueError(f"head_offset: must be an integer >= 0, got {head_offset!r}")
+    policy = POLICIES[cfg.policy](cfg, attention)
     _check_shapes(cfg, keys, values, queries, policy.needs_queries)
     sinks = cfg.sinks if sinks is None else sinks
     if not 0 <= sinks <= cfg.sinks:
         raise ValueError(f"sinks: must be in [0, {cfg.sinks}], got {sinks}")
-    draws = Draws.make(cfg.seed, keys.shape[:-3], keys.device, request, layer, round)
+    draws = Draws.make(cfg.seed, keys.shape[:-3], keys.device, request, layer, round,
+                       head_offset=head_offset)
     return policy.select(keys, values, queries, draws, sinks, check=check)

@@ -45,18 +45,29 @@ def build_tiny_qwen3(
     dtype: str = "bfloat16",
     seed: int = 0,
     init_std: float | None = None,
+    attention_multiplier: float | None = None,
 ) -> Path:
-    """Build (or reuse) the model directory and return its path."""
+    """Build (or reuse) the model directory and return its path. With `attention_multiplier`
+    the model is a Granite instead (Qwen3's layout without q/k norms) whose attention logits
+    are q . k * attention_multiplier rather than / sqrt(head_dim)."""
     out = Path(out) if out is not None else default_dir()
     spec = dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
                 vocab=vocab, dtype=dtype, seed=seed, init_std=init_std)
+    if attention_multiplier is not None:
+        spec["attention_multiplier"] = attention_multiplier
     stamp = out / "vase_tiny_model.json"
     if stamp.exists() and json.loads(stamp.read_text()) == spec:
         return out
 
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        GraniteConfig,
+        GraniteForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -75,18 +86,24 @@ def build_tiny_qwen3(
     hf_tok.add_tokens([f"<x{i}>" for i in range(vocab - len(hf_tok))])
     hf_tok.save_pretrained(out)
 
-    cfg = Qwen3Config(
+    config_cls, model_cls, extra = Qwen3Config, Qwen3ForCausalLM, {"head_dim": head_dim}
+    if attention_multiplier is not None:
+        if hidden != heads * head_dim:
+            raise ValueError("Granite: head_dim is hidden / heads")
+        config_cls, model_cls = GraniteConfig, GraniteForCausalLM
+        extra = {"attention_multiplier": attention_multiplier}
+    cfg = config_cls(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, torch_dtype=dtype,
+        max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, torch_dtype=dtype, **extra,
         bos_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=hf_tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"),
         **({"initializer_range": init_std} if init_std is not None else {}),
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype))
+    model = model_cls(cfg).to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(json.dumps(spec))
     return out

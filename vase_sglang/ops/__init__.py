@@ -59,14 +59,17 @@ def value_range(values: torch.Tensor) -> torch.Tensor:
     return value_range_reference(values)
 
 
-def window_attention(queries, keys, *, temperature: float = 1.0, pool_kernel: int = 5):
+def window_attention(queries, keys, *, temperature: float = 1.0, pool_kernel: int = 5,
+                     scaling: float | None = None, softcap: float = 0.0):
+    """scaling, softcap: the model's attention logit scale (None = 1/sqrt(D)) and tanh soft-cap
+    (0 = none); see window_attention.py."""
+    kwargs = dict(temperature=temperature, pool_kernel=pool_kernel, scaling=scaling,
+                  softcap=softcap)
     if kernel_backend(keys.device) == "triton":
         from .window_attention import window_attention_triton
 
-        return window_attention_triton(
-            queries, keys, temperature=temperature, pool_kernel=pool_kernel
-        )
-    return window_attention_reference(queries, keys, temperature=temperature, pool_kernel=pool_kernel)
+        return window_attention_triton(queries, keys, **kwargs)
+    return window_attention_reference(queries, keys, **kwargs)
 
 
 def cur_leverage(keys, values, projection):

@@ -1,6 +1,12 @@
 """SnapKV-style window-attention score of each candidate key, per KV head.
 
-score[kv, i] = mean_{q in group(kv)} avgpool_i( mean_w softmax_i(q_w . k_i / (sqrt(D) * tau)) )
+score[kv, i] = mean_{q in group(kv)} avgpool_i( mean_w softmax_i(logit(q_w, k_i) / tau) )
+logit(q, k) = q . k * scaling, then cap * tanh(logit / cap) where the model soft-caps (cap > 0)
+
+`scaling` and `cap` are the layer's own (SGLang's RadixAttention.scaling / logit_cap: e.g. Granite's
+attention_multiplier, Gemma-2's query_pre_attn_scalar**-0.5 and 50.0 cap), applied as SGLang's
+attention backends do (triton: qk *= sm_scale; qk = cap * tanh(qk / cap)); tau is VaSE's
+temperature on top of the model's logits. scaling=None means 1/sqrt(D).
 
 The softmax runs over the candidates only (the newest `window` tokens are not candidates), as in
 the official VaSE engine. Pooling is avg_pool1d(kernel, stride 1, padding kernel//2) with zero
@@ -22,15 +28,29 @@ except ImportError:  # torch-only install: the reference works, the kernels are 
     triton = None
 
 
+def _check_logit_params(scaling, softcap) -> None:
+    if scaling is not None and not (math.isfinite(scaling) and scaling > 0):
+        raise ValueError(f"scaling: must be a finite number > 0 or None, got {scaling!r}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: must be a finite number >= 0 (0 = off), got {softcap!r}")
+
+
 def window_attention_reference(
-    queries: torch.Tensor, keys: torch.Tensor, *, temperature: float = 1.0, pool_kernel: int = 5
+    queries: torch.Tensor, keys: torch.Tensor, *, temperature: float = 1.0, pool_kernel: int = 5,
+    scaling: float | None = None, softcap: float = 0.0,
 ) -> torch.Tensor:
     """queries [..., H_q, W, D], keys [..., H_kv, n, D] -> [..., H_kv, n] float32."""
     *batch, h_q, w, d = queries.shape
     h_kv, n = keys.shape[-3], keys.shape[-2]
+    _check_logit_params(scaling, softcap)
     group = h_q // h_kv
     q = queries.float().reshape(*batch, h_kv, group * w, d)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) / (math.sqrt(d) * temperature)
+    qk = torch.matmul(q, keys.float().transpose(-1, -2))
+    if softcap:
+        scale = 1.0 / math.sqrt(d) if scaling is None else scaling
+        logits = softcap * torch.tanh(qk * scale / softcap) / temperature
+    else:  # one division, as before scaling existed: the 1/sqrt(D) scores stay bit-identical
+        logits = qk / (math.sqrt(d) * temperature if scaling is None else temperature / scaling)
     probs = torch.softmax(logits, dim=-1).mean(dim=-2)  # mean over group and window: [..., H_kv, n]
     if pool_kernel > 1:
         flat = probs.reshape(-1, 1, n)
@@ -59,13 +79,27 @@ if triton is not None:
         mask = (pos[:, None] >= 0) & (pos[:, None] < n) & (dd[None, :] < d)
         return tl.load(ptrs + dd[None, :] * sk_d, mask=mask, other=0.0).to(tl.float32)
 
+    @triton.jit
+    def _tanh(x):
+        # tanh as a scaled sigmoid, exactly as SGLang's triton attention kernels soft-cap (fp32).
+        return 2 * tl.sigmoid(2 * x) - 1
+
+    @triton.jit
+    def _logits_log2(qt, kt, qk_scale, softcap, scale_log2, SOFTCAP: tl.constexpr):
+        """The model's attention logits of a [rows, keys] tile, divided by the temperature and
+        in base 2 (scale_log2 = log2(e) / tau with a soft-cap, log2(e) * scaling / tau without)."""
+        s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+        if SOFTCAP:
+            s = softcap * _tanh(s * qk_scale / softcap)
+        return s * scale_log2
+
     # Pass 1 fuses QK^T with an online softmax over n: it keeps, per window query, a running max
     # and sum instead of materialising the [H_q, W, n] logits; it writes log2-sum-exp2 per row.
     @triton.jit
     def _window_lse_kernel(
-        q, k, lse, rows, w, n, d, group, h_kv, scale_log2,
+        q, k, lse, rows, w, n, d, group, h_kv, qk_scale, softcap, scale_log2,
         sq_b, sq_h, sq_w, sq_d, sk_b, sk_h, sk_n, sk_d,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         b = tl.program_id(0) // h_kv
         kv = tl.program_id(0) % h_kv
@@ -76,7 +110,7 @@ if triton is not None:
         for start in range(0, n, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             kt = _key_rows(k, b, kv, pos, n, d, sk_b, sk_h, sk_n, sk_d, BLOCK_D)
-            s = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale_log2
+            s = _logits_log2(qt, kt, qk_scale, softcap, scale_log2, SOFTCAP)
             s = tl.where(pos[None, :] < n, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
@@ -90,9 +124,9 @@ if triton is not None:
     # [BLOCK_N, BLOCK_N] matrix and writes only the interior, so no [H_q, W, n] tensor exists.
     @triton.jit
     def _window_score_kernel(
-        q, k, lse, out, rows, w, n, d, group, h_kv, scale_log2,
+        q, k, lse, out, rows, w, n, d, group, h_kv, qk_scale, softcap, scale_log2,
         sq_b, sq_h, sq_w, sq_d, sk_b, sk_h, sk_n, sk_d,
-        HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        SOFTCAP: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         b = tl.program_id(0) // h_kv
         kv = tl.program_id(0) % h_kv
@@ -105,7 +139,7 @@ if triton is not None:
         for m0 in range(0, rows, BLOCK_M):
             r = m0 + tl.arange(0, BLOCK_M)
             qt = _query_rows(q, b, kv, r, rows, w, group, d, sq_b, sq_h, sq_w, sq_d, BLOCK_D)
-            s = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale_log2
+            s = _logits_log2(qt, kt, qk_scale, softcap, scale_log2, SOFTCAP)
             row_ok = r < rows
             l_r = tl.load(row_lse + r, mask=row_ok, other=0.0)
             p = tl.where(row_ok[:, None] & in_range[None, :], tl.exp2(s - l_r[:, None]), 0.0)
@@ -118,13 +152,15 @@ if triton is not None:
 
 
 def window_attention_triton(
-    queries: torch.Tensor, keys: torch.Tensor, *, temperature: float = 1.0, pool_kernel: int = 5
+    queries: torch.Tensor, keys: torch.Tensor, *, temperature: float = 1.0, pool_kernel: int = 5,
+    scaling: float | None = None, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as window_attention_reference (pool_kernel odd, >= 1)."""
     *batch, h_q, w, d = queries.shape
     h_kv, n = keys.shape[-3], keys.shape[-2]
     if h_q % h_kv or pool_kernel < 1 or pool_kernel % 2 == 0:
         raise ValueError(f"need H_q % H_kv == 0, odd pool_kernel: {h_q}, {h_kv}, {pool_kernel}")
+    _check_logit_params(scaling, softcap)
     q = queries.reshape(-1, h_q, w, d)
     k = keys.reshape(-1, h_kv, n, d)
     bt, rows = q.shape[0], (h_q // h_kv) * w
@@ -136,14 +172,23 @@ def window_attention_triton(
     block_d = max(16, triton.next_power_of_2(d))
     block_m = 32 if block_d <= 128 else 16
     block_n = max(64, triton.next_power_of_2(4 * half))
+    qk_scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
+    if softcap:
+        scale_log2 = math.log2(math.e) / temperature
+    elif scaling is None:
+        scale_log2 = math.log2(math.e) / (math.sqrt(d) * temperature)
+    else:
+        scale_log2 = math.log2(math.e) * scaling / temperature
     common = (
-        rows, w, n, d, h_q // h_kv, h_kv, math.log2(math.e) / (math.sqrt(d) * temperature),
+        rows, w, n, d, h_q // h_kv, h_kv, qk_scale, float(softcap), scale_log2,
         *q.stride(), *k.stride(),
     )
     _window_lse_kernel[(bt * h_kv, triton.cdiv(rows, block_m))](
-        q, k, lse, *common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d
+        q, k, lse, *common, SOFTCAP=bool(softcap), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d,
     )
     _window_score_kernel[(bt * h_kv, triton.cdiv(n, block_n - 2 * half))](
-        q, k, lse, out, *common, HALF=half, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d
+        q, k, lse, out, *common, SOFTCAP=bool(softcap), HALF=half, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=block_d,
     )
     return out.reshape(*batch, h_kv, n)
