@@ -158,7 +158,7 @@ def run_arm(args, policy: str, requests, out_dir: Path) -> dict:
         running = [int(x) for x in DECODE_LINE.findall(log)]
         if not running:
             raise RuntimeError(f"{policy}: a worker logged no decode batch; see {out_dir}")
-        per_worker.append({"peak_running": max(running), "requests": _prefilled(log)})
+        per_worker.append({"peak_running": max(running), "requests": _served_requests(log)})
     prompt_tokens = sum(m["prompt_tokens"] for m in metas)
     cached = sum(m["cached_tokens"] for m in metas)
     output_tokens = sum(m["completion_tokens"] for m in metas)
@@ -175,10 +175,12 @@ def run_arm(args, policy: str, requests, out_dir: Path) -> dict:
     }
 
 
-def _prefilled(log: str) -> int:
-    """Requests a worker prefilled after its warmup, from its prefill log lines (#new-seq)."""
+def _served_requests(log: str) -> int:
+    """Requests the gateway sent a worker: its access log's POST /generate lines after the
+    warmup (prefill log lines would also count the generations behind the gateway's health
+    checks)."""
     served = log.split("The server is fired up and ready to roll", 1)[-1]
-    return sum(int(x) for x in re.findall(r"Prefill batch.*?#new-seq: (\d+)", served))
+    return len(re.findall(r'"POST /generate HTTP/1.1" 200', served))
 
 
 def plot(rows, path: Path) -> None:
