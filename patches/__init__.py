@@ -22,6 +22,7 @@ its processes. Each module here hooks one SGLang subsystem and lists its exact t
                 TokenizerManager._validate_one_request                   400 on out-of-vocab ids
   metrics       Scheduler.init_metrics_collector                         Prometheus vase:* metrics
   rotary_cpu    RotaryEmbedding.__init__                                 CPU serving without vllm
+  distributed_cpu  GroupCoordinator.__init__                             CPU tensor parallel (gloo)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import pkgutil
 
-from . import (admission, memory, metrics, model_runner, output, request_control, rotary_cpu,
+from . import (admission, distributed_cpu, memory, metrics, model_runner, output, request_control, rotary_cpu,
                scheduler, server_args, settings)
 from .settings import configure
 
@@ -45,6 +46,8 @@ def planned_hooks(cfg) -> list[tuple[str, str, object]]:
     hooks = list(server_args.HOOKS) + list(output.FRONTEND_HOOKS) + list(request_control.HOOKS)
     if rotary_cpu.needed():
         hooks += rotary_cpu.HOOKS
+    if distributed_cpu.needed():
+        hooks += distributed_cpu.HOOKS
     if cfg is not None and cfg.evicts:
         hooks += (memory.HOOKS + model_runner.HOOKS + scheduler.HOOKS + admission.HOOKS
                   + output.SCHEDULER_HOOKS + metrics.HOOKS)
