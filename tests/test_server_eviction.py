@@ -2,17 +2,19 @@
 memory checks on): faithfulness to a plain-transformers reference, footprint bound, shared
 prefixes, aborts and edge cases."""
 
+import itertools
 import json
 import re
 import threading
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from servers import Server
-from vase_sglang import EvictionConfig
+from vase_sglang import POLICY_NAMES, EvictionConfig
 from vase_sglang.hf_reference import ReferenceDecoder
 
 BUDGET, WINDOW = 32, 8
@@ -36,15 +38,25 @@ def snapkv_server(tiny_model_fp32):
         yield server
 
 
-def _served(server, prompt_ids, n, seed=77):
+def _served(server, prompt_ids, n, seed=77, kv_evict=None):
+    sampling = {"ignore_eos": True, "sampling_seed": seed}
+    if kv_evict is not None:
+        sampling["custom_params"] = {"kv_evict": kv_evict}
     out = server.generate(input_ids=prompt_ids, max_new_tokens=n, return_logprob=True,
-                          sampling_params={"ignore_eos": True, "sampling_seed": seed})
+                          sampling_params=sampling)
     return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
 
 
-def _reference(model, policy, prompt_ids, forced, request_key=77, budget=BUDGET):
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_fp32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32)
+
+
+def _reference(model, policy, prompt_ids, forced, request_key=77, budget=BUDGET, **kwargs):
     cfg = EvictionConfig(policy=policy, budget=budget, window=WINDOW, seed=5)
-    return ReferenceDecoder.from_pretrained(model, cfg).run(
+    return ReferenceDecoder(model, cfg, **kwargs).run(
         prompt_ids, forced_ids=forced, request_key=request_key)
 
 
@@ -57,31 +69,53 @@ def _max_diff(a, b):
 
 # Tolerance: both sides run fp32; what remains is kernel summation order (observed ~2e-6).
 TOL = 1e-4
+# Policies whose choice depends on the random draws: their negative control is the reference
+# with another random stream (request key); the others' is a reference with another budget.
+RANDOMISED = {"vase-attnv", "vase-dkv", "curdkv", "random"}
 
 
-def test_faithful_to_transformers_reference_snapkv(snapkv_server, tiny_model_fp32, tokenizer):
-    prompt = tokenizer("Hello world, the capital of France is")["input_ids"]
-    tokens, logprobs, meta = _served(snapkv_server, prompt, 220)
-    ref = _reference(tiny_model_fp32, "snapkv", prompt, tokens)
-    assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"] > 0
-    assert len(tokens) == 220
-    assert _max_diff(logprobs, ref["logprobs"]) < TOL
-    # The comparison can fail: a reference with another budget diverges after its evictions.
-    other = _reference(tiny_model_fp32, "snapkv", prompt, tokens, budget=BUDGET + WINDOW)
-    assert _max_diff(logprobs, other["logprobs"]) > 1e-2
+EVICTING = [p for p in POLICY_NAMES if p != "full"]
+N_FAITHFUL = 220  # 23 eviction rounds at budget 32, window 8
 
 
-def test_faithful_to_transformers_reference_vase_attnv(tiny_model_fp32, tokenizer):
+@pytest.fixture(scope="module")
+def served_per_policy(snapkv_server, tokenizer):
+    """One greedy request per policy, chosen per request (custom_params.kv_evict) on the one
+    snapkv server, which records the window queries and so serves every policy. All are in
+    flight together: decode batches mix policies, and CI pays for 220 steps, not 8 x 220."""
     prompt = tokenizer("KV cache eviction policy radix tree")["input_ids"]
-    with Server(tiny_model_fp32, _args("vase-attnv")) as server:
-        tokens, logprobs, meta = _served(server, prompt, 220, seed=77)
-        server.wait_idle_checked()
-    ref = _reference(tiny_model_fp32, "vase-attnv", prompt, tokens, request_key=77)
-    assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"]
+    with ThreadPoolExecutor(len(EVICTING)) as pool:
+        futures = {p: pool.submit(_served, snapkv_server, prompt, N_FAITHFUL, kv_evict={"policy": p})
+                   for p in EVICTING}
+        served = {p: f.result() for p, f in futures.items()}
+    snapkv_server.wait_idle_checked()
+    return prompt, served
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_faithful_to_transformers_reference(served_per_policy, hf_model, policy):
+    """The served logprobs against the plain-transformers decode loop with the same eviction,
+    teacher-forced on the served tokens."""
+    prompt, served = served_per_policy
+    tokens, logprobs, meta = served[policy]
+    assert len(tokens) == N_FAITHFUL
+    ref = _reference(hf_model, policy, prompt, tokens)
+    assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"] > 0
     assert _max_diff(logprobs, ref["logprobs"]) < TOL
-    # Another random stream (request key) samples other tokens and diverges.
-    other = _reference(tiny_model_fp32, "vase-attnv", prompt, tokens, request_key=78)
+    # The comparison can fail: a reference that keeps other tokens diverges.
+    if policy in RANDOMISED:
+        other = _reference(hf_model, policy, prompt, tokens, request_key=78)
+    else:
+        other = _reference(hf_model, policy, prompt, tokens, budget=BUDGET + WINDOW)
     assert _max_diff(logprobs, other["logprobs"]) > 1e-2
+
+
+def test_each_request_was_served_with_its_own_policy(served_per_policy):
+    """The policies' served logprobs differ pairwise, so each reference above matched the
+    policy its request asked for (not the server's snapkv)."""
+    _, served = served_per_policy
+    for a, b in itertools.combinations(EVICTING, 2):
+        assert _max_diff(served[a][1], served[b][1]) > 1e-2, (a, b)
 
 
 def _token_usage(log: str) -> list[int]:
@@ -194,7 +228,7 @@ def test_many_requests_evicting_in_the_same_step(snapkv_server, tokenizer):
     snapkv_server.wait_idle_checked()
 
 
-def test_radix_off_evicts_the_prompt_too(tiny_model_fp32, tokenizer):
+def test_radix_off_evicts_the_prompt_too(tiny_model_fp32, hf_model, tokenizer):
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]
     args = _args("streaming", "--disable-radix-cache", "--decode-log-interval", "1")
     with Server(tiny_model_fp32, args) as server:
@@ -207,9 +241,7 @@ def test_radix_off_evicts_the_prompt_too(tiny_model_fp32, tokenizer):
     # The prompt is cut back before the second decode step (never before the first: see
     # runtime.evict); from then on the request holds at most T + R.
     assert usage[0] <= len(prompt) + 1 and max(usage[1:]) <= TRIGGER, usage
-    model = tiny_model_fp32
-    cfg = EvictionConfig(policy="streaming", budget=BUDGET, window=WINDOW, seed=5)
-    ref = ReferenceDecoder.from_pretrained(model, cfg, protect_prompt=False).run(prompt, forced_ids=tokens)
+    ref = _reference(hf_model, "streaming", prompt, tokens, protect_prompt=False)
     assert _max_diff(logprobs, ref["logprobs"]) < TOL
 
 
