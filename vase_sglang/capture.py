@@ -22,7 +22,8 @@ run from the ForwardBatch.init_new hook on the forward stream, before replay), i
 persistent buffer that the recorded `capture_extend_queries` reads. It is computed on device
 from the batch's device tensors (a searchsorted over cumulative extend lengths): no host read,
 no transfer. Building it on the host from `extend_seq_lens_cpu` would cost an H2D copy of one
-int per token per prefill, which the device build avoids.
+int per token per prefill, and that list is unset on SGLang's gpu_only path; the device build
+needs neither.
 
 Tokens outside their request's last `window`, and padding tokens, are written to ring row
 `SCRATCH_ROW` = 0 instead of being filtered out (a filter would have a data-dependent shape).
