@@ -8,7 +8,8 @@ its processes. Each module here hooks one SGLang subsystem and lists its exact t
                 KVCacheConfigurator.resolve_max_num_reqs                 ...and kept a share
   model_runner  ModelRunner._init_post_memory_pool_components            eviction runtime
                 RadixAttention.forward                                   query capture
-                ForwardBatch.init_new                                    RoPE positions
+                ForwardBatch.init_new                                    RoPE positions,
+                                                                         extend token rows
   scheduler     Scheduler.update_running_batch                           the eviction step,
                                                                          early when memory is short
                 ScheduleBatch._get_decode_retraction_order               uncompacted retracted first

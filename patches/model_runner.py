@@ -7,6 +7,8 @@ import logging
 
 import torch
 
+from vase_sglang import capture
+from vase_sglang.capture import SCRATCH_ROW
 from vase_sglang.policies import POLICIES, AttentionParams
 
 from . import output, runtime
@@ -131,14 +133,25 @@ def after_post_pool(result, model_runner):
                                        getattr(pool, "v_head_dim", pool.head_dim))
     head_offset = _rank_kv_heads(model_runner, pool, cfg)
     num_q_heads, head_dim = layers[0].tp_q_head_num, layers[0].qk_head_dim
-    queries = None
+    queries = token_rows = None
     if POLICIES[cfg.policy].needs_queries:
-        rows = model_runner.req_to_token_pool.req_to_token.shape[0]
+        req_pool = model_runner.req_to_token_pool
+        if SCRATCH_ROW in req_pool.free_slots:
+            raise ValueError(
+                f"--model-path: request table {type(req_pool).__name__} hands out row "
+                f"{SCRATCH_ROW}, which the query capture uses as its scratch row"
+            )
+        rows = req_pool.req_to_token.shape[0]
+        device = pool.k_buffer[0].device
         queries = torch.zeros(
             (len(pool.k_buffer), rows, cfg.window, num_q_heads, head_dim),
             dtype=query_ring_dtype(pool.dtype, model_runner.dtype),
-            device=pool.k_buffer[0].device,
+            device=device,
         )
+        # One entry per token of any extend forward: real tokens each hold a pool slot,
+        # padded prefill-graph buckets are at most the largest captured bucket.
+        token_rows = torch.full((max(pool.size, _largest_prefill_bucket()) + 1,), SCRATCH_ROW,
+                                dtype=torch.int64, device=device)
     runtime.RUNTIME = runtime.EvictionRuntime(
         cfg=cfg,
         k_buffers=pool.k_buffer,
@@ -149,19 +162,38 @@ def after_post_pool(result, model_runner):
         head_dim=head_dim,
         start_layer=getattr(pool, "start_layer", 0) or 0,
         queries=queries,
+        token_rows=token_rows,
         attention=attention,
         kv_head_offset=head_offset,
     )
     output.enable_in_scheduler()
     ring = 0 if queries is None else queries.numel() * queries.element_size()
+    rows_mb = 0 if token_rows is None else token_rows.numel() * token_rows.element_size() / 2**20
     logger.info(
-        "VaSE eviction on: %s (query ring %.1f MiB = %d bytes of %s; KV heads from %d; %s)",
-        cfg, ring / 2**20, ring, None if queries is None else queries.dtype, head_offset, attention,
+        "VaSE eviction on: %s (query ring %.1f MiB = %d bytes of %s, token rows %.1f MiB; "
+        "KV heads from %d; %s)",
+        cfg, ring / 2**20, ring, None if queries is None else queries.dtype, rows_mb, head_offset,
+        attention,
     )
 
 
+def _largest_prefill_bucket() -> int:
+    """Largest token bucket of SGLang's prefill CUDA graphs (0 when it has none)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        prefill = get_exec().graph.cuda_graph_config.prefill
+    except (ImportError, AttributeError, ValueError):
+        return 0
+    if prefill is None or prefill.backend == "disabled" or not prefill.bs:
+        return 0
+    return max(prefill.bs)
+
+
 def around_attention(original, self, q, k, v, forward_batch, *args, **kwargs):
-    """AROUND RadixAttention.forward: record post-RoPE queries for window-attention scores."""
+    """AROUND RadixAttention.forward: record post-RoPE queries for window-attention scores.
+    Inside CUDA graphs on CUDA (decode, and prefill: the breakable graph runs only the
+    attention kernel eagerly), so the capture is static-shaped and sync-free."""
     rt = runtime.RUNTIME
     if rt is not None and rt.queries is not None and q is not None:
         rt.capture_queries(self.layer_id, q, forward_batch)
@@ -169,16 +201,22 @@ def around_attention(original, self, q, k, v, forward_batch, *args, **kwargs):
 
 
 def after_forward_batch_init(ret, cls, batch, *args, **kwargs):
-    """AFTER ForwardBatch.init_new: decode positions are seq_lens - 1, which after an eviction
-    is the KV length, not the token's true position. Add the per-request offset (a host-side
-    int, so there is no device read)."""
-    if runtime.RUNTIME is None or not ret.forward_mode.is_decode() or ret.positions is None:
+    """AFTER ForwardBatch.init_new: runs on the forward stream before the forward, its graph
+    replay included (decode replay copies `positions` into its static buffer).
+    Extend: the ring row of each token, read by the recorded extend capture.
+    Decode: positions are seq_lens - 1, which after an eviction is the KV length, not the
+    token's true position; add the per-request offset (host ints, staged through pinned
+    memory so the host never waits on the forward in flight)."""
+    rt = runtime.RUNTIME
+    if rt is None or ret.positions is None:
+        return ret
+    rt.prepare_capture(ret)
+    if not ret.forward_mode.is_decode():
         return ret
     offsets = [getattr(req, runtime.OFFSET, 0) for req in batch.reqs]
     if any(offsets):
-        n = len(offsets)
-        add = torch.tensor(offsets, dtype=ret.positions.dtype).to(ret.positions.device, non_blocking=True)
-        ret.positions = torch.cat([ret.positions[:n] + add, ret.positions[n:]])
+        staged = capture.stage_host_ints(offsets, ret.positions.dtype, ret.positions.device)
+        ret.positions = capture.offset_positions(ret.positions, staged)
     return ret
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vase_sglang import EvictionConfig, select_tokens
+from vase_sglang import EvictionConfig, capture, select_tokens
 from vase_sglang.ops import compact_kv_
 from vase_sglang.policies import POLICIES, AttentionParams
 
@@ -65,6 +65,9 @@ class EvictionRuntime:
     stats: EvictionStats = field(default_factory=EvictionStats)
     attention: AttentionParams = AttentionParams()  # the model's logit scaling and soft-cap
     kv_head_offset: int = 0  # global index of this rank's first KV head (tensor parallel)
+    # Ring row of each token of the current extend batch (SCRATCH_ROW where not kept); a
+    # persistent buffer because recorded prefill graphs read it (vase_sglang.capture).
+    token_rows: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -72,26 +75,28 @@ class EvictionRuntime:
 
     def capture_queries(self, layer_id: int, q: torch.Tensor, forward_batch) -> None:
         """Write the post-RoPE queries of the last `window` positions of each request into the
-        ring at position % window. Decode: an index_put_ on device tensors, no host sync, so it
-        stays valid under CUDA-graph capture."""
+        ring at position % window. Runs inside CUDA graphs: see vase_sglang.capture."""
         ring = self.queries[layer_id - self.start_layer]
-        window = self.cfg.window
-        mode = forward_batch.forward_mode
         q = q.reshape(q.shape[0], self.num_q_heads, self.head_dim)
-        positions = forward_batch.positions
+        mode = forward_batch.forward_mode
         if mode.is_decode():
-            n = forward_batch.req_pool_indices.shape[0]
-            ring[forward_batch.req_pool_indices, positions[:n] % window] = q[:n].to(ring.dtype)
+            capture.capture_decode_queries(ring, q, forward_batch.req_pool_indices,
+                                           forward_batch.positions, self.cfg.window)
         elif mode.is_extend() and forward_batch.extend_seq_lens is not None:
-            # Only the last `window` tokens of each request: positions are then distinct
-            # modulo window, so index_put_ has no duplicate targets.
-            lens = forward_batch.extend_seq_lens
-            rows = torch.repeat_interleave(forward_batch.req_pool_indices, lens)
-            ends = torch.repeat_interleave(forward_batch.seq_lens, lens)
-            n = rows.shape[0]
-            pos = positions[:n]
-            mask = pos >= ends - window
-            ring[rows[mask], pos[mask] % window] = q[:n][mask].to(ring.dtype)
+            capture.capture_extend_queries(ring, q, self.token_rows, forward_batch.positions,
+                                           self.cfg.window)
+
+    def prepare_capture(self, forward_batch) -> None:
+        """Once per ForwardBatch, before its forward (recorded or replayed): the ring row of
+        each extend token, which the recorded extend capture reads from `token_rows`."""
+        if self.queries is None or not forward_batch.forward_mode.is_extend():
+            return
+        if forward_batch.extend_seq_lens is None:
+            return
+        capture.extend_token_rows(
+            self.token_rows, forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
+            forward_batch.seq_lens, forward_batch.positions, self.cfg.window,
+        )
 
     def evict(self, batch, skip=(), early: bool = False) -> int:
         """Run the eviction step on a running decode batch; returns the slots freed.
