@@ -131,11 +131,13 @@ ALLOWED = {
                                          resolved=False),
     "cuda_graph_backend_prefill": Allowed((None, "disabled"), "only the default or disabled",
                                           resolved=False),
-    # Data parallelism: independent schedulers, each with its own eviction runtime (the same
-    # code path as one). Reported to serve at --dp-size 2; not in CI.
-    "dp_size": Allowed(None, "reported to serve at 2; not in CI"),
+    # Parallel layouts tested at 2 on CPU (tests/test_parallel.py, on main since the tp
+    # branch): data parallel runs independent schedulers, each with its own runtime; tensor
+    # parallel ranks each evict their own KV heads, with no collective, so a larger size
+    # takes the same code path.
+    "dp_size": Allowed(None, "tested at 2 (tests/test_parallel.py)"),
+    "tp_size": Allowed(None, "tested at 2 (tests/test_parallel.py)"),
     # Refused with a reason (the former denylist, and what issue 10 found unhandled).
-    "tp_size": Allowed((1,), "tensor parallelism is not yet tested with eviction"),
     "pp_size": Allowed((1,), "pipeline parallelism is not tested with eviction"),
     "dcp_size": Allowed((1,), "decode context parallelism splits a request's KV across ranks "
                         "by position; compaction moves tokens between positions"),

@@ -152,14 +152,14 @@ SUPPORTED_FLAGS = [  # each must pass: what the tests, benchmarks and README use
     ["--disable-overlap-schedule", "--enable-custom-logit-processor"], ["--enable-metrics"],
     ["--max-running-requests", "48", "--max-total-tokens", "3072"], ["--schedule-policy", "lpm"],
     ["--random-seed", "3", "--log-level", "debug"], ["--chunked-prefill-size", "64"],
-    ["--dp-size", "2"], ["--kv-cache-dtype", "bfloat16"], ["--retraction-policy", "priority"],
+    ["--dp-size", "2"], ["--tp-size", "2"], ["--kv-cache-dtype", "bfloat16"],
+    ["--retraction-policy", "priority"],
     ["--cuda-graph-backend-decode", "disabled"], ["--attention-backend", "triton"],
 ]
 REFUSED_FLAGS = [  # (flags, the fields named); the first group is refused with a reason
     (["--page-size", "16"], ["page_size"]),
     (["--enable-streaming-session"], ["enable_streaming_session"]),
     (["--dcp-size", "2"], ["dcp_size"]),
-    (["--tp-size", "2"], ["tp_size"]),
     (["--pp-size", "2"], ["pp_size"]),
     (["--enable-mixed-chunk"], ["enable_mixed_chunk"]),
     (["--kv-cache-dtype", "fp8_e4m3"], ["kv_cache_dtype"]),
