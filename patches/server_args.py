@@ -38,12 +38,14 @@ def after_from_cli_args(result, cls, args):
 def check_server_args(server_args, cfg) -> None:
     """Refuse server configurations outside the allowlist (supported.py), naming each flag,
     and models whose positions the eviction offset cannot correct."""
-    problems = [
-        f"{supported.flag(name)}={value} is not supported with "
-        f"{settings.flag_name('policy')}={cfg.policy}: {why}. "
-        f"Drop {supported.flag(name)} or turn eviction off."
-        for name, value, why in supported.unsupported(server_args)
-    ]
+    problems = []
+    for name, value, why in supported.unsupported(server_args):
+        flag = supported.flag(name)
+        fix = (f"Drop {flag} or turn eviction off." if supported.user_set(server_args, name)
+               else f"SGLang chose it for this launch; set {flag} to a supported value "
+                    "(docs/supported.md) or turn eviction off.")
+        problems.append(f"{flag}={value} is not supported with "
+                        f"{settings.flag_name('policy')}={cfg.policy}: {why}. {fix}")
     mrope = _mrope_architecture(server_args)
     if mrope:
         problems.append(

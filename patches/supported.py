@@ -19,6 +19,7 @@ is what the running server uses.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -157,6 +158,7 @@ ALLOWED = {
 NOT_TESTED = "not tested with eviction"
 
 
+@functools.lru_cache(maxsize=1)
 def _field_defaults() -> dict:
     import msgspec
 
@@ -195,6 +197,12 @@ def unsupported(server_args) -> list[tuple[str, object, str]]:
         if rule.values is not None and value not in rule.values:
             found.append((name, value, rule.why))
     return found
+
+
+def user_set(server_args, name: str) -> bool:
+    """Whether the launch gave this field a value other than SGLang's declared default (else
+    an unsupported value is SGLang's own resolution, e.g. a backend's page size)."""
+    return getattr(server_args, name, None) != _field_defaults()[name]
 
 
 def flag(name: str) -> str:
