@@ -4,6 +4,8 @@ SGLang calls `register()` (entry point group `sglang.srt.plugins`) at the start 
 its processes. Each module here hooks one SGLang subsystem and lists its exact targets:
 
   server_args   ServerArgs.add_cli_args / from_cli_args / resolve_once   flags, validation
+                                                                         (the allowlist in
+                                                                         supported.py)
   memory        KVCacheConfigurator._profile_available_bytes             query ring reserved
                 KVCacheConfigurator.resolve_max_num_reqs                 ...and kept a share
   model_runner  ModelRunner._init_post_memory_pool_components            eviction runtime
@@ -14,12 +16,15 @@ its processes. Each module here hooks one SGLang subsystem and lists its exact t
                                                                          early when memory is short
                 ScheduleBatch._get_decode_retraction_order               uncompacted retracted first
                 Req.reset_for_retract                                    retraction
+                Req._compute_max_prefix_len,                             a re-prefilled request's
+                UnifiedRadixCache.checkpoint                             outputs stay private
   admission     PrefillAdder.add_one_req / add_chunked_req,              capped footprints
                 PrefillAdder._get_running_request_total_token_offset,
                 schedule_policy.CLIP_MAX_NEW_TOKENS
   output        SchedulerOutputStreamer / TokenizerManager               meta_info count
   request_control  SamplingParams.verify                                 per-request kv_evict,
                                                                          HTTP 400 on bad values
+                                                                         and on beam search
                 TokenizerManager._validate_one_request                   400 on out-of-vocab ids
   metrics       Scheduler.init_metrics_collector                         Prometheus vase:* metrics
   rotary_cpu    RotaryEmbedding.__init__                                 CPU serving without vllm

@@ -95,12 +95,27 @@ def server_config() -> EvictionConfig | None:
 
 
 def after_verify(result, self, *args, **kwargs):
-    """AFTER SamplingParams.verify (tokenizer manager): reject bad kv_evict values with a
-    ValueError, which SGLang answers with HTTP 400."""
+    """AFTER SamplingParams.verify (tokenizer manager): reject bad kv_evict values, and beam
+    search where the request would evict, with a ValueError, which SGLang answers with
+    HTTP 400."""
     custom = self.custom_params
-    if isinstance(custom, dict) and custom.get(KEY) is not None:
-        effective_config(custom, server_config())
+    beam = (self.beam_width or 1) > 1
+    if beam or (isinstance(custom, dict) and custom.get(KEY) is not None):
+        cfg = effective_config(custom, server_config())
+        if beam and cfg is not None:
+            refuse_beam_search(self.beam_width)
     return result
+
+
+def refuse_beam_search(beam_width: int):
+    """Beam search is not supported with eviction. SGLang's beam members decode from rows
+    that share the leader's KV slots (beam_search/beam_group.py), so compacting the leader's
+    row frees slots the members still read (SGLang's idle leak check then stops the
+    scheduler). A request may still run beam search with eviction turned off."""
+    raise ValueError(
+        f"beam_width: beam search (beam_width={beam_width}) is not supported with KV eviction; "
+        f'send "custom_params": {{"{KEY}": false}} to run it without eviction'
+    )
 
 
 TARGET_VALIDATE_REQUEST = (

@@ -262,6 +262,13 @@ def request_config(req) -> EvictionConfig | None:
     if rt is None:
         return None
     cached = getattr(req, CONFIG, _UNSET)
+    if cached is _UNSET and getattr(req, "beam_group", None) is not None:
+        # Beam search (BeamCoordinator.validate_and_init) replaces the leader's sampling
+        # params with neutral ones, custom_params lost; its member rows alias the leader's
+        # slots, so the group is never evicted. The tokenizer manager already refused beam
+        # requests that would evict (request_control.refuse_beam_search).
+        cached = None
+        setattr(req, CONFIG, cached)
     if cached is _UNSET:
         try:
             cached = request_control.effective_config(req.sampling_params.custom_params, rt.cfg)

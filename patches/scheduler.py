@@ -1,6 +1,7 @@
 """Hooks on sglang.srt.managers: run the eviction step on the running decode batch (and an
-early one when the next step would not fit), retract uncompacted requests first, and reset
-eviction state when a request is retracted."""
+early one when the next step would not fit), retract uncompacted requests first, reset
+eviction state when a request is retracted, and keep its generated tokens out of the radix
+tree when it is re-prefilled."""
 
 from __future__ import annotations
 
@@ -69,8 +70,38 @@ def after_reset_for_retract(result, req):
     runtime.reset_request(req)
 
 
+# A retracted request re-prefills origin_input_ids + output_ids. Stock SGLang matches all of
+# it against the radix tree (Req.init_next_round_input -> match_kv_cache with the limit from
+# _compute_max_prefix_len) and, after the prefill, inserts all of it and locks it
+# (checkpoint_kv_cache -> tree.checkpoint(req, up_to=req.extend_end)): the generated tokens
+# become tree-owned (cache_protected_len = the whole length) and are never evicted again.
+# These two hooks keep an evicting request's generated tokens private while it runs; only its
+# original prompt is shared through the tree. Its finish-time insert is unchanged (compacted
+# requests skip it anyway).
+TARGET_MAX_PREFIX_LEN = "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len"
+TARGET_TREE_CHECKPOINT = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint"
+
+
+def around_max_prefix_len(original, req, input_len):
+    """AROUND Req._compute_max_prefix_len: an evicting request matches at most its prompt."""
+    limit = original(req, input_len)
+    if runtime.request_config(req) is None:
+        return limit
+    return min(limit, len(req.origin_input_ids))
+
+
+def around_tree_checkpoint(original, tree, req, *args, up_to, **kwargs):
+    """AROUND UnifiedRadixCache.checkpoint (the running, not finished, request's insert): an
+    evicting request publishes at most its prompt."""
+    if not req.finished() and runtime.request_config(req) is not None:
+        up_to = min(up_to, max(len(req.origin_input_ids), req.kv.cache_protected_len))
+    return original(tree, req, *args, up_to=up_to, **kwargs)
+
+
 HOOKS = [
     (TARGET_UPDATE_RUNNING_BATCH, "AROUND", around_update_running_batch),
     (TARGET_RETRACTION_ORDER, "AROUND", around_retraction_order),
     (TARGET_RESET_FOR_RETRACT, "AFTER", after_reset_for_retract),
+    (TARGET_MAX_PREFIX_LEN, "AROUND", around_max_prefix_len),
+    (TARGET_TREE_CHECKPOINT, "AROUND", around_tree_checkpoint),
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import settings
+from . import settings, supported
 
 TARGET_ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 TARGET_FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
@@ -35,31 +35,37 @@ def after_from_cli_args(result, cls, args):
     settings.export_to_env(values)
 
 
-# (server arg, predicate on its resolved value, why) for configurations eviction cannot serve.
-_UNSUPPORTED = [
-    ("speculative_algorithm", lambda v: v not in (None, "", "NONE"),
-     "speculative decoding writes several KV slots per step; eviction does not track drafts"),
-    ("enable_dp_attention", bool, "DP attention turns decode rows into extends"),
-    ("enable_mixed_chunk", bool, "mixed chunks turn decode rows into extends"),
-    ("page_size", lambda v: v not in (None, 1), "only page size 1 is supported"),
-    ("kv_cache_dtype", lambda v: v not in (None, "auto", "bfloat16", "float16", "float32"),
-     "scores need plain floating-point K/V"),
-    ("disaggregation_mode", lambda v: v not in (None, "null"), "PD disaggregation moves KV by true length"),
-    ("enable_hierarchical_cache", bool, "HiCache is not tested with eviction"),
-    ("enable_unified_memory", bool, "unified memory relocates slots itself"),
-]
-
-
 def check_server_args(server_args, cfg) -> None:
-    """Reject server configurations the eviction plugin cannot serve, naming the flag."""
-    for name, unsupported, why in _UNSUPPORTED:
-        value = getattr(server_args, name, None)
-        if unsupported(value):
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(
-                f"{flag}={value} is not supported with {settings.flag_name('policy')}={cfg.policy}: "
-                f"{why}. Drop {flag} or turn eviction off."
-            )
+    """Refuse server configurations outside the allowlist (supported.py), naming each flag,
+    and models whose positions the eviction offset cannot correct."""
+    problems = []
+    for name, value, why in supported.unsupported(server_args):
+        flag = supported.flag(name)
+        fix = (f"Drop {flag} or turn eviction off." if supported.user_set(server_args, name)
+               else f"SGLang chose it for this launch; set {flag} to a supported value "
+                    "(docs/supported.md) or turn eviction off.")
+        problems.append(f"{flag}={value} is not supported with "
+                        f"{settings.flag_name('policy')}={cfg.policy}: {why}. {fix}")
+    mrope = _mrope_architecture(server_args)
+    if mrope:
+        problems.append(
+            f"--model-path: {mrope} rotates queries and keys with mrope_positions (multimodal "
+            f"RoPE), which the eviction position offset does not correct; it is not supported "
+            f"with {settings.flag_name('policy')}={cfg.policy}."
+        )
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def _mrope_architecture(server_args) -> str | None:
+    """The architecture name if SGLang runs this model with mrope positions (ModelConfig
+    .model_is_mrope: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and other "mrope_section" models)."""
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+
+    model_config = model_config_of(server_args)
+    if not getattr(model_config, "model_is_mrope", False):
+        return None
+    return ", ".join(model_config.hf_config.architectures or ["this model"])
 
 
 def after_resolve_once(result, server_args):

@@ -3,6 +3,8 @@ user sees.
 
 - Bad server configurations stop `python -m sglang.launch_server` at startup with a message
   naming the flag (or environment variable) at fault.
+- The supported-settings allowlist (patches/supported.py, docs/supported.md) is checked
+  in-process on ServerArgs parsed and resolved as `launch_server` does, for many flags.
 - Bad per-request values (`custom_params.kv_evict`) are answered with HTTP 400 naming
   `kv_evict.<field>`, and the server keeps serving.
 """
@@ -12,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from servers import Server, run_launch_server_expect_failure
+from servers import CPU_FLAGS, Server, run_launch_server_expect_failure
 from vase_sglang import EvictionConfig
+from vase_sglang_patches import server_args as server_args_hooks
+from vase_sglang_patches import supported
 from vase_sglang_patches.request_control import effective_config
 
 POLICY = ["--kv-evict-policy", "vase-attnv"]
@@ -34,6 +38,15 @@ LAUNCH_CASES = [
     (POLICY + ["--page-size", "16"], {}, "--page-size=16 is not supported"),
     (POLICY + ["--enable-mixed-chunk"], {}, "--enable-mixed-chunk=True is not supported"),
     (POLICY + ["--kv-cache-dtype", "fp8_e4m3"], {}, "--kv-cache-dtype=fp8_e4m3 is not supported"),
+    # The allowlist (patches/supported.py): a few real launches; the many flags are checked
+    # in-process below.
+    (POLICY + ["--enable-streaming-session"], {},
+     "--enable-streaming-session=True is not supported with --kv-evict-policy=vase-attnv: a "
+     "streaming session hands the compacted row to the next turn without its position offset"),
+    (POLICY + ["--dcp-size", "2"], {}, "--dcp-size=2 is not supported"),
+    (POLICY + ["--num-continuous-decode-steps", "2"], {},
+     "--num-continuous-decode-steps=2 is not supported with --kv-evict-policy=vase-attnv: not "
+     "tested with eviction. Drop --num-continuous-decode-steps or turn eviction off."),
     ([], {"VASE_KV_EVICT_POLICY": "vase-attnv", "VASE_KV_EVICT_BUDGET": "lots"},
      "VASE_KV_EVICT_BUDGET: expected an integer"),
     (POLICY, {"VASE_KV_EVICT_PLUGINS": "no_such_policy_module"},
@@ -128,3 +141,133 @@ def test_messages_that_need_another_server(tiny_model):
                                          r"--kv-evict-policy"):
         effective_config({"kv_evict": {"budget": 64}}, None)
     assert effective_config({"kv_evict": False}, None) is None
+
+
+# ---- The supported-settings allowlist, in-process: ServerArgs parsed from the command line
+# and resolved by SGLang exactly as launch_server does (prepare_server_args + resolve_once),
+# then checked by the function the startup hook calls.
+
+SUPPORTED_FLAGS = [  # each must pass: what the tests, benchmarks and README use
+    [], ["--dtype", "float32", "--decode-log-interval", "1"], ["--disable-radix-cache"],
+    ["--disable-overlap-schedule", "--enable-custom-logit-processor"], ["--enable-metrics"],
+    ["--max-running-requests", "48", "--max-total-tokens", "3072"], ["--schedule-policy", "lpm"],
+    ["--random-seed", "3", "--log-level", "debug"], ["--chunked-prefill-size", "64"],
+    ["--dp-size", "2"], ["--tp-size", "2"], ["--kv-cache-dtype", "bfloat16"],
+    ["--retraction-policy", "priority"],
+    ["--cuda-graph-backend-decode", "disabled"], ["--attention-backend", "triton"],
+]
+REFUSED_FLAGS = [  # (flags, the fields named); the first group is refused with a reason
+    (["--page-size", "16"], ["page_size"]),
+    (["--enable-streaming-session"], ["enable_streaming_session"]),
+    (["--dcp-size", "2"], ["dcp_size"]),
+    (["--pp-size", "2"], ["pp_size"]),
+    (["--enable-mixed-chunk"], ["enable_mixed_chunk"]),
+    (["--kv-cache-dtype", "fp8_e4m3"], ["kv_cache_dtype"]),
+    (["--speculative-algorithm", "NGRAM"], ["speculative_algorithm"]),
+    (["--disaggregation-mode", "decode"], ["disaggregation_mode"]),
+    (["--enable-hierarchical-cache"], ["enable_hierarchical_cache"]),
+    # flashmla makes SGLang choose page size 64, refused although the user did not set it
+    (["--attention-backend", "flashmla"], ["page_size", "attention_backend"]),
+    # ...and flags never tested with eviction: any value but SGLang's default
+    (["--enable-torch-compile"], ["enable_torch_compile"]),
+    (["--num-continuous-decode-steps", "4"], ["num_continuous_decode_steps"]),
+    (["--kv-canary", "log"], ["kv_canary"]),
+    (["--enable-priority-scheduling"], ["enable_priority_scheduling"]),
+    (["--cpu-offload-gb", "1"], ["cpu_offload_gb"]),
+    (["--json-model-override-args", '{"rope_theta": 1}'], ["json_model_override_args"]),
+    (["--strip-thinking-cache"], ["strip_thinking_cache"]),
+    (["--kv-events-config", '{"publisher": "null"}'], ["kv_events_config"]),
+    (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"],
+     ["enable_lora", "max_lora_rank", "lora_target_modules"]),
+]
+
+
+@pytest.fixture(scope="module")
+def resolved(tiny_model):
+    from sglang.srt.server_args import prepare_server_args
+
+    def resolve(flags, model=tiny_model, cpu=True):
+        args = prepare_server_args(["--model-path", model, *(CPU_FLAGS if cpu else []), *flags])
+        args.resolve_once()
+        return args
+
+    return resolve
+
+
+@pytest.mark.parametrize("flags", SUPPORTED_FLAGS, ids=lambda f: " ".join(f) or "cpu-defaults")
+def test_supported_settings_pass(resolved, flags):
+    assert supported.unsupported(resolved(flags)) == []
+
+
+def test_a_default_cuda_launch_passes(resolved):
+    """`--device cuda` and nothing else: SGLang resolves its own CUDA defaults (on this GPU-less
+    host the attention backend resolves to triton; fa3 on Hopper, also in the list), decode
+    CUDA graphs on, page size 1."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    args = resolved(["--device", "cuda"], cpu=False)
+    assert resolution_result(args, "cuda_graph_config").decode.backend == "full"
+    assert resolution_result(args, "attention_backend") in supported.ATTENTION_BACKENDS
+    assert supported.unsupported(args) == []
+
+
+@pytest.mark.parametrize("flags,fields", REFUSED_FLAGS, ids=lambda x: " ".join(x))
+def test_unsupported_settings_are_refused_naming_the_flag(resolved, flags, fields):
+    args = resolved(flags)
+    assert [name for name, _value, _why in supported.unsupported(args)] == fields
+    cfg = EvictionConfig(policy="snapkv", budget=32, window=8)
+    with pytest.raises(ValueError) as err:
+        server_args_hooks.check_server_args(args, cfg)
+    for name in fields:
+        assert f"{supported.flag(name)}=" in str(err.value)
+    assert f"{flags[0]}=" in str(err.value) and "Drop " + flags[0] in str(err.value)
+    if "page_size" in fields and "--page-size" not in flags:
+        assert ("--page-size=64 is not supported with --kv-evict-policy=snapkv: only page size "
+                "1 is supported (compaction keeps tokens, not pages). SGLang chose it for this "
+                "launch; set --page-size to a supported value") in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_vl(tiny_model, tmp_path_factory):
+    """A Qwen2-VL config (mrope_section in its rope scaling) with the tiny model's tokenizer;
+    SGLang resolves it like the real Qwen2-VL without weights."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import Qwen2VLConfig
+
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen2-vl"
+    Qwen2VLConfig(
+        architectures=["Qwen2VLForConditionalGeneration"], hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2},
+    ).save_pretrained(path)
+    for f in Path(tiny_model).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, path)
+    return str(path)
+
+
+def test_mrope_models_are_refused_naming_the_model(resolved, tiny_qwen2_vl, tiny_model):
+    cfg = EvictionConfig(policy="snapkv", budget=32, window=8)
+    with pytest.raises(ValueError, match=r"--model-path: Qwen2VLForConditionalGeneration rotates "
+                                         r"queries and keys with mrope_positions"):
+        server_args_hooks.check_server_args(resolved([], model=tiny_qwen2_vl), cfg)
+    server_args_hooks.check_server_args(resolved([], model=tiny_model), cfg)  # plain RoPE
+
+
+def test_the_table_is_one_allowlist_over_every_field():
+    """Every name in the table is a real ServerArgs field (a renamed field in a new SGLang
+    would otherwise silently fall to 'default only' or leave a stale entry)."""
+    fields = set(supported._field_defaults())
+    assert not (supported.NEUTRAL | set(supported.ALLOWED)) - fields
+    assert not supported.NEUTRAL & set(supported.ALLOWED)
+
+
+def test_docs_supported_md_matches_the_table():
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "supported.md"
+    assert doc.read_text() == supported.table_markdown(), (
+        "docs/supported.md is stale: python -m vase_sglang_patches.supported > docs/supported.md")

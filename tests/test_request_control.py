@@ -113,3 +113,40 @@ def test_eviction_request_on_a_server_without_eviction_is_refused(servers):
     assert "started without --kv-evict-policy" in json.dumps(out), out
     # Turning eviction off is fine anywhere.
     assert len(_gen(servers["stock"], False, n=4)[0]) == 4
+
+
+def _beam(server, kv_evict=None, n=N):
+    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, "beam_width": 2}
+    if kv_evict is not None:
+        params["custom_params"] = {"kv_evict": kv_evict}
+    return server.post_status("/generate", {"text": PROMPT, "sampling_params": params})
+
+
+def test_beam_search_is_refused_where_the_request_would_evict(servers):
+    """Beam members decode from rows sharing the leader's slots, which compaction would free
+    under them (on the old code this request was served and the scheduler then died on the
+    idle leak check). Refused with 400 where it would evict; served with eviction off."""
+    evict = servers["evict"]
+    for kv_evict in (None, True, {"budget": 24}):
+        code, body = _beam(evict, kv_evict)
+        assert code == 400, (kv_evict, body)
+        assert body["error"]["message"].startswith(
+            "beam_width: beam search (beam_width=2) is not supported with KV eviction"), body
+    # Eviction off for the request: the stock beam search result, several evictions' worth.
+    code, stock = _beam(servers["stock"])
+    assert code == 200, stock
+    code, off = _beam(evict, False)
+    assert code == 200, off
+    assert off["output_ids"] == stock["output_ids"] and len(off["output_ids"]) == N
+    assert off["meta_info"]["kv_evicted_tokens"] == 0
+    # ...alongside an evicting request in the same batches: no slot leaked or freed twice.
+    with ThreadPoolExecutor(2) as pool:
+        beam = pool.submit(_beam, evict, False)
+        plain = pool.submit(_gen, evict)
+        code, again = beam.result()
+        assert code == 200 and again["output_ids"] == off["output_ids"]
+        assert plain.result()[1] > 0
+    evict.wait_idle_checked()
+    code, _ = servers["stock"].post_status("/generate", {"text": PROMPT, "sampling_params": {
+        "max_new_tokens": 4, "beam_width": 2}})
+    assert code == 200  # a server without eviction serves beam search as stock SGLang does

@@ -245,21 +245,92 @@ def test_radix_off_evicts_the_prompt_too(tiny_model_fp32, hf_model, tokenizer):
     assert _max_diff(logprobs, ref["logprobs"]) < TOL
 
 
-def test_retracting_compacted_requests_frees_what_they_own(tiny_model_fp32, tokenizer):
-    # SGLang's test knob retracts a request every 55 forward steps: by then requests hold
-    # more than budget + window private tokens and are compacted, so compacted requests are
-    # released, re-prefilled at their true length (all of it now a cached prefix) and
-    # evicted again once they have generated budget + window more tokens.
-    env = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "55"}
-    prompts = [tokenizer(f"Request {i}: the quick brown fox")["input_ids"] for i in range(4)]
-    with Server(tiny_model_fp32, _args("vase-attnv"), env=env) as server:
-        out = server.post("/generate", {
-            "input_ids": prompts,
-            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}})
-        server.wait_idle_checked()
-        log = server.output()
-    assert "Testing retraction" in log
-    stats = [(len(o["output_ids"]), o["meta_info"]["num_retractions"],
-              o["meta_info"]["kv_evicted_tokens"]) for o in out]
-    assert all(n == 200 for n, _, _ in stats), stats
-    assert any(r > 0 and e > 0 for _, r, e in stats), stats
+RETRACT_INTERVAL = 60
+
+
+@pytest.fixture(scope="module")
+def retracting_server(tiny_model_fp32):
+    # SGLang's test knob: every RETRACT_INTERVAL forward steps the scheduler retracts running
+    # requests (retract_decode: one, as memory is not short; a lone request never).
+    env = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": str(RETRACT_INTERVAL)}
+    with Server(tiny_model_fp32, _args("snapkv", "--decode-log-interval", "1"), env=env) as server:
+        yield server
+
+
+def _batch(server, prompts, n, kv_evict=None):
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for _ in prompts]
+    for p, kv in zip(params, kv_evict or [None] * len(prompts)):
+        if kv is not None:
+            p["custom_params"] = {"kv_evict": kv}
+    return server.post("/generate", {"input_ids": prompts, "sampling_params": params})
+
+
+def _retractions(outputs) -> list[int]:
+    """SGLang's own per-request count of retractions (meta_info.num_retractions)."""
+    return [o["meta_info"]["num_retractions"] for o in outputs]
+
+
+def _decode_usage_outside_reprefills(log: str, skip: int = 3) -> list[int]:
+    """#token of each decode log line, except from a retraction to the `skip`-th decode step
+    after the retracted request's prefill: it re-prefills its true length (its slots are
+    allocated, and counted, before the prefill is logged under the overlap scheduler), and
+    eviction cuts it back to budget + window only before its second decode step."""
+    usage, pending, skipping = [], False, 0
+    for line in log.splitlines():
+        m = re.search(r"Testing retraction\. #retracted_reqs: (\d+)", line)
+        if m and int(m.group(1)) > 0:
+            pending = True
+        elif "Prefill batch" in line and pending:
+            pending, skipping = False, skip
+        elif (m := re.search(r"Decode batch.*?#token: (\d+)", line)) and not pending:
+            if skipping:
+                skipping -= 1
+            else:
+                usage.append(int(m.group(1)))
+    return usage
+
+
+def test_uncompacted_requests_are_retracted_first(retracting_server, tokenizer):
+    """Three requests admitted together: two evicting, one with eviction off and the shortest
+    prompt. SGLang's own order retracts, among equal output lengths, the longest prompt; ours
+    retracts the uncompacted request first, so once the evicting two are compacted every
+    retraction takes the one with eviction off, and the short evicting one never goes."""
+    prompts = [tokenizer("Request A: the quick brown fox jumps over the lazy dog again and "
+                         "again while the cat sleeps")["input_ids"],
+               tokenizer("Request B: the quick brown fox")["input_ids"],
+               tokenizer("Request C")["input_ids"]]
+    assert len(prompts[0]) > len(prompts[1]) > len(prompts[2])
+    out = _batch(retracting_server, prompts, 300, kv_evict=[None, None, False])
+    retracted = _retractions(out)
+    assert [len(o["output_ids"]) for o in out] == [300] * 3
+    assert retracted[2] >= 1 and retracted[1] == 0, retracted
+    assert out[2]["meta_info"]["kv_evicted_tokens"] == 0 < out[1]["meta_info"]["kv_evicted_tokens"]
+    retracting_server.wait_idle_checked(1)
+
+
+def test_retracted_compacted_request_returns_to_its_capped_footprint(retracting_server,
+                                                                     tokenizer):
+    """A compacted request that is retracted re-prefills prompt + everything generated; its
+    generated tokens stay private (only the prompt is shared through the radix tree), so its
+    next eviction cuts it back to prompt + T + R. Requests that were not retracted give the
+    outputs they give alone (a lone request is never retracted)."""
+    prompts = [tokenizer("Request R: the quick brown fox jumps over the lazy dog again and "
+                         "again while the cat sleeps")["input_ids"],
+               tokenizer("Request 1: hello world")["input_ids"],
+               tokenizer("Request 2: 0 1 2 3")["input_ids"]]
+    n = 300
+    before = len(retracting_server.output())
+    out = _batch(retracting_server, prompts, n)
+    log = retracting_server.output()[before:]
+    retracted = _retractions(out)
+    # Equal output lengths: SGLang's order (ours too, among compacted requests) retracts the
+    # longest prompt, over and over; the others are never retracted.
+    assert retracted[0] >= 2 and retracted[1:] == [0, 0], retracted
+    assert [len(o["output_ids"]) for o in out] == [n] * 3
+    assert all(o["meta_info"]["kv_evicted_tokens"] > 0 for o in out)
+    usage = _decode_usage_outside_reprefills(log)
+    bound = sum(len(p) + TRIGGER + 2 for p in prompts)  # +2: the next token, one in flight
+    assert len(usage) > n // 2 and max(usage) <= bound, (bound, usage)
+    alone = [_served(retracting_server, p, n)[0] for p in prompts[1:]]
+    assert [o["output_ids"] for o in out[1:]] == alone
+    retracting_server.wait_idle_checked()
