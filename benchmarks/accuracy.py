@@ -35,7 +35,6 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,7 +45,6 @@ from benchmarks._server import REPO, BenchServer  # noqa: E402
 POLICIES = ["full", "vase-attnv", "vase-dkv", "snapkv", "rkv", "random", "streaming",
             "evict-large-values"]
 QUERY_POLICY = "vase-attnv"  # a server started with it records queries for every policy
-PROMPT = "{q}\nReason step by step, then end with 'Final answer: <number>'."
 SAMPLING = {"temperature": 0.6, "top_p": 0.95}  # the paper's sampling
 TF_K = 20
 
@@ -69,76 +67,45 @@ def load_problems(task: str, n: int, seed: int) -> list[dict]:
     return out
 
 
+def gsm8k_answer(cot: str, answer: str) -> str:
+    """A GSM8K answer field: the chain of thought, then exactly one final `#### N` line.
+    reasoning-gym's gsm_symbolic chains already end with that line (chain_sum has none), so a
+    trailing `#### ...` line of the chain is dropped before the canonical one is appended; one
+    that disagrees with the problem's answer is an error, not something to paper over."""
+    lines = cot.strip().splitlines()
+    if lines and lines[-1].lstrip().startswith("####"):
+        stated = lines.pop().lstrip()[4:].strip()
+        if stated.replace(",", "") != answer.replace(",", ""):
+            raise ValueError(f"chain of thought ends with '#### {stated}', answer is {answer!r}")
+    body = "\n".join(lines).strip()
+    return (body + "\n" if body else "") + "#### " + answer
+
+
 def export_gsm8k(problems: list[dict], path: str | Path) -> None:
     """GSM8K jsonl: sglang.test.few_shot_gsm8k reads the number after '####'."""
     with open(path, "w") as f:
         for p in problems:
-            cot = p["cot"].strip()
             f.write(json.dumps({"question": p["question"],
-                                "answer": (cot + "\n" if cot else "") + "#### " + p["answer"]})
-                    + "\n")
+                                "answer": gsm8k_answer(p["cot"], p["answer"])}) + "\n")
 
 
 # ----------------------------------------------------------------------------- answers
 
 
-def _to_number(s: str | None):
-    if s is None:
-        return None
-    s = s.strip().replace(",", "").replace("$", "").replace("\\!", "").rstrip(".")
-    m = re.fullmatch(r"\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s)
-    if m:
-        s = f"{m.group(1)}/{m.group(2)}"
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        m = re.search(r"-?\d+(?:\.\d+)?(?:/\d+)?", s)
-        try:
-            return Fraction(m.group(0)) if m else None
-        except (ValueError, ZeroDivisionError):
-            return None
+# The shared extractor and instruction of the frontend programs (examples/) and this harness.
+# No private fallback: a second extractor would silently score answers differently.
+from vase_sglang import answers as _answers  # noqa: E402
 
-
-def _private_extract(text: str):
-    """Fallback extractor, used only when vase_sglang.answers is missing: the last
-    'Final answer: N', else the last \\boxed{...}, else the last 'answer is N'."""
-    m = re.findall(r"[Ff]inal [Aa]nswer\s*[:：]?\s*\**\s*\$?\s*(\\[dt]?frac\{[^}]*\}\{[^}]*\}|-?[\d,]*\.?\d+(?:/\d+)?)", text)
-    if m:
-        return _to_number(m[-1])
-    boxes = []
-    for b in re.finditer(r"\\boxed\{", text):  # braces may nest (\frac{a}{b})
-        depth, j = 1, b.end()
-        while j < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            j += 1
-        boxes.append(text[b.end():j - 1])
-    if boxes:
-        return _to_number(boxes[-1])
-    m = re.findall(r"answer is\s*\$?\s*(-?[\d,]*\.?\d+)", text)
-    return _to_number(m[-1]) if m else None
-
-
-try:  # the shared extractor of the frontend programs (examples/) and this harness
-    from vase_sglang import answers as _answers
-except ImportError:
-    _answers = None
-
-if _answers is not None:
-    PROMPT = "{q}\n" + _answers.ANSWER_INSTRUCTION
+PROMPT = "{q}\n" + _answers.ANSWER_INSTRUCTION
 
 
 def extract_answer(text: str) -> str | None:
     """The model's final answer, normalised ("72", "2.5", "1/3"); None if it gave none."""
-    if _answers is not None:
-        return _answers.extract_answer(text)
-    v = _private_extract(text)
-    return None if v is None else str(v)
+    return _answers.extract_answer(text)
 
 
 def is_right(pred: str | None, gold: str) -> bool:
-    if _answers is not None:
-        return _answers.answers_equal(pred, gold)
-    return pred is not None and _to_number(pred) == _to_number(gold)
+    return _answers.answers_equal(pred, gold)
 
 
 # ----------------------------------------------------------------------------- arms
@@ -491,9 +458,12 @@ class Harness:
 
 
 def _evicted_total(v):
-    """meta_info kv_evicted_tokens -> one number (per layer and head, so take the max)."""
+    """meta_info kv_evicted_tokens -> one number (per layer and head, so take the max).
+    The plugin reports it on every response (0 where nothing was evicted); a response without
+    it did not come from a VaSE server, and counting it as 0 would fake a measurement."""
     if v is None:
-        return None
+        raise RuntimeError("response has no meta_info.kv_evicted_tokens: the server does not "
+                           "run the vase_sglang plugin")
     if isinstance(v, (int, float)):
         return v
     flat = []
@@ -509,7 +479,17 @@ def _evicted_total(v):
             flat.append(x)
 
     walk(v)
-    return max(flat) if flat else 0
+    if not flat:
+        raise RuntimeError(f"meta_info.kv_evicted_tokens holds no number: {v!r}")
+    return max(flat)
+
+
+def _recorded_evictions(recs: dict) -> list:
+    """kv_evicted of each record; a record without it is an error, not 0."""
+    missing = [pid for pid, r in recs.items() if r.get("kv_evicted") is None]
+    if missing:
+        raise RuntimeError(f"records without kv_evicted (not from a VaSE server?): {missing[:5]}")
+    return [r["kv_evicted"] for r in recs.values()]
 
 
 # ----------------------------------------------------------------------------- report
@@ -537,7 +517,7 @@ def summarize(out: Path, boot_iters: int = 10000) -> dict:
              "wilson95": [lo, hi],
              "mean_tokens": st.mean(r["n_tokens"] for r in recs.values()),
              "loop_rate": st.mean(r["finish"] == "length" for r in recs.values()),
-             "mean_kv_evicted": st.mean(r["kv_evicted"] or 0 for r in recs.values())}
+             "mean_kv_evicted": st.mean(_recorded_evictions(recs))}
         full = by_arm.get(full_name[arm.decoding], {})
         common = sorted(set(recs) & set(full))
         if arm.evicts and common:

@@ -9,9 +9,18 @@ server's decode log (`--decode-log-interval 1`) and /metrics. Arms:
   <policy>@N  VaSE with that policy, same pool, --kv-evict-budget / --kv-evict-window
   ceiling     stock SGLang with a pool big enough for every request at once
 
-Recorded per arm and concurrency: peak and mean running requests, output tokens/s, TTFT and
-inter-token latency percentiles, peak KV usage (slots), retractions, and the eviction time share
-(the server's eviction step seconds / benchmark wall time). Writes JSON and a PNG; prints a table.
+Each arm runs --repeats client runs (default 3) per concurrency on its server, back to back.
+Recorded per run: peak and mean (over decode steps) running requests, output tokens/s, TTFT
+and inter-token latency percentiles, peak KV usage (slots), retracted requests (the log's
+`#retracted_reqs`, checked against `sglang:num_retracted_requests_total`), the prompt lengths
+the server saw (the client's random-ids prompts are text the server tokenizes again, longer than
+--input-len; read from the client's per-request output and checked against the server's prompt
+histogram), the bound N / (P + T + R) with that P, and the eviction time share (the server's
+`vase:eviction_seconds` / the run's wall time). Reported: median and range over the runs; a
+ratio between arms is bold only where their ranges do not overlap, a target (running / bound
+>= 0.95, eviction time <= 3 %) only where every run meets it. A figure that cannot be measured
+(no decode line, no eviction step in /metrics, counts that disagree) stops the benchmark.
+Writes JSON, a Markdown table and a PNG.
 
     python benchmarks/concurrency_scaling.py            # tiny local model, CPU: ~10 minutes
     python benchmarks/concurrency_scaling.py --model-path DIR --concurrency 8 16 32 ...
@@ -23,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,22 +44,32 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._server import BenchServer, on_cuda  # noqa: E402
 
-DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+), #token: (\d+)")
+class MissingMeasurement(RuntimeError):
+    """A figure the benchmark must report but could not measure: it stops instead of printing
+    a default (0 running requests, 0 % eviction time) that would read as a result."""
 
 
-def eviction_seconds(metrics_text: str) -> float:
-    """Sum of the server's eviction-step histogram (0 when eviction is off)."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith("vase:eviction_seconds_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+# SGLang 0.5.23's scheduler logs, per decode step with --decode-log-interval 1
+# (SchedulerMetricsReporter.report_decode_stats):
+#   "Decode batch[ [iter]], #running-req: R, #token: T, token usage: U, ..."
+DECODE_LINE = re.compile(r"Decode batch(?: \[\d+\])?, #running-req: (\d+), #token: (\d+),")
+# and per retraction (Scheduler.update_running_batch), one line for a whole group of requests:
+#   "KV cache pool is full. Retract requests. #retracted_reqs: K, #new_tokens_gained: G, ..."
+RETRACT_LINE = re.compile(r"(?:Retract requests\.|Testing retraction\.) #retracted_reqs: (\d+)")
+RETRACT_MENTION = re.compile(r"Retract requests\.|Testing retraction\.")
+
+RETRACTED_METRIC = "sglang:num_retracted_requests_total"
+PROMPT_SUM, PROMPT_COUNT = "sglang:prompt_tokens_histogram_sum", "sglang:prompt_tokens_histogram_count"
+EVICT_SUM, EVICT_COUNT = "vase:eviction_seconds_sum", "vase:eviction_seconds_count"
+METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)(?: \d+)?$")
 
 
 def decode_stats(log_text: str) -> dict:
+    """Running requests and KV tokens over the decode steps logged in `log_text`."""
     rows = [(int(a), int(b)) for a, b in DECODE_LINE.findall(log_text)]
     if not rows:
-        return {"peak_running": 0, "mean_running": 0.0, "peak_kv_tokens": 0, "decode_steps": 0}
+        raise MissingMeasurement("no 'Decode batch' line in the server log: cannot tell how "
+                                 "many requests ran (is --decode-log-interval 1 set?)")
     running = [r for r, _ in rows]
     return {
         "peak_running": max(running),
@@ -59,13 +79,89 @@ def decode_stats(log_text: str) -> dict:
     }
 
 
+def retracted_requests_logged(log_text: str) -> int:
+    """Requests retracted (one log line can retract several, a request can be retracted more
+    than once: each time counts)."""
+    counts = [int(k) for k in RETRACT_LINE.findall(log_text)]
+    if len(counts) != len(RETRACT_MENTION.findall(log_text)):
+        raise MissingMeasurement("a retraction line without '#retracted_reqs: K' in the server "
+                                 "log: SGLang's log format changed")
+    return sum(counts)
+
+
+def metric_sums(metrics_text: str) -> dict[str, float]:
+    """Prometheus text -> value per metric name, summed over label sets."""
+    values: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        m = METRIC_LINE.match(line)
+        if m:
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    return values
+
+
+def eviction_seconds(before: dict, after: dict, evicting: bool) -> float | None:
+    """Seconds the server spent in eviction steps between two /metrics scrapes. None for an
+    arm without eviction; an evicting arm that exported no eviction step is an error."""
+    steps = after.get(EVICT_COUNT, 0.0) - before.get(EVICT_COUNT, 0.0)
+    if not evicting:
+        if steps:
+            raise MissingMeasurement(f"an arm without eviction ran {steps:.0f} eviction steps")
+        return None
+    if EVICT_SUM not in after or steps <= 0:
+        raise MissingMeasurement(f"no eviction step in /metrics ({EVICT_COUNT} delta {steps:.0f}): "
+                                 "the arm did not evict, or --enable-metrics is off")
+    return after[EVICT_SUM] - before.get(EVICT_SUM, 0.0)
+
+
+def retracted_requests(log_text: str, before: dict, after: dict) -> int:
+    """Retracted requests from the log, checked against SGLang's counter where it is exported
+    (prometheus_client only exports a labelled counter once it was incremented)."""
+    logged = retracted_requests_logged(log_text)
+    if RETRACTED_METRIC in after:
+        counted = after[RETRACTED_METRIC] - before.get(RETRACTED_METRIC, 0.0)
+        if counted != logged:
+            raise MissingMeasurement(f"{RETRACTED_METRIC} counts {counted:.0f} retracted "
+                                     f"requests, the log {logged}")
+    elif logged:
+        raise MissingMeasurement(f"the log retracted {logged} requests but {RETRACTED_METRIC} "
+                                 "is not exported")
+    return logged
+
+
+def server_prompt_lengths(client_result: dict, before: dict, after: dict) -> list[int]:
+    """Prompt tokens of each request as the server counted them. The client sends random-ids
+    prompts as text, which the server tokenizes again (longer than --input-len); its output
+    JSON (--output-details) holds the server's meta_info.prompt_tokens per request, checked
+    here against the server's own prompt-length histogram."""
+    lens = client_result.get("input_lens")
+    if not lens or len(lens) != client_result.get("completed"):
+        raise MissingMeasurement("the client's output has no input_lens for every completed "
+                                 "request (--output-details)")
+    count = after.get(PROMPT_COUNT, 0.0) - before.get(PROMPT_COUNT, 0.0)
+    total = after.get(PROMPT_SUM, 0.0) - before.get(PROMPT_SUM, 0.0)
+    if count != len(lens) or total != sum(lens):
+        raise MissingMeasurement(f"the server's prompt histogram ({count:.0f} requests, "
+                                 f"{total:.0f} tokens) disagrees with the client's input_lens "
+                                 f"({len(lens)} requests, {sum(lens)} tokens)")
+    return [int(x) for x in lens]
+
+
+def concurrency_bound(pool: int, prompt_lens: list[int], budget: int, window: int) -> float:
+    """N / (P + T + R) with P the mean prompt length the server saw: how many requests fit at
+    once when each holds its prompt plus a full budget and window."""
+    return pool / (sum(prompt_lens) / len(prompt_lens) + budget + window)
+
+
 def run_client(server: BenchServer, args, concurrency: int, out_file: Path, tokenizer: str) -> dict:
     cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
            "--base-url", server.url, "--tokenizer", tokenizer, "--model", tokenizer,
            "--dataset-name", "random-ids", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0",
            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency),
-           "--request-rate", "inf", "--seed", str(args.seed), "--output-file", str(out_file)]
+           "--request-rate", "inf", "--seed", str(args.seed), "--output-file", str(out_file),
+           # per-request prompt lengths; no warmup request, so the server's counters see
+           # exactly the measured requests
+           "--output-details", "--warmup-requests", "0"]
     if args.quiet_client:
         cmd.append("--disable-tqdm")
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -73,7 +169,11 @@ def run_client(server: BenchServer, args, concurrency: int, out_file: Path, toke
                           stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"benchmark client failed ({proc.returncode}): {proc.stdout or ''}")
-    return json.loads(out_file.read_text().strip().splitlines()[-1])
+    result = json.loads(out_file.read_text().strip().splitlines()[-1])
+    if result.get("completed") != args.num_prompts:
+        raise MissingMeasurement(f"{result.get('completed')} of {args.num_prompts} requests "
+                                 f"completed: {[e for e in result.get('errors', []) if e][:3]}")
+    return result
 
 
 CLIENT_KEYS = ["duration", "completed", "total_output_tokens", "output_throughput",
@@ -81,7 +181,31 @@ CLIENT_KEYS = ["duration", "completed", "total_output_tokens", "output_throughpu
                "max_concurrent_requests"]
 
 
+def measure_run(server: BenchServer, args, c: int, evicting: bool) -> dict:
+    """One client run against a running server: the client's figures plus what the server
+    logged and exported during it."""
+    server.flush_cache()  # same prompts every run: no prefix hits from the last one
+    start_log = len(server.output())
+    before = metric_sums(server.get_text("/metrics"))
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_client(server, args, c, Path(tmp) / "out.jsonl", args.model_path)
+    text = server.output()[start_log:]
+    after = metric_sums(server.get_text("/metrics"))
+    prompts = server_prompt_lengths(result, before, after)
+    evict_s = eviction_seconds(before, after, evicting)
+    return {
+        **{k: result.get(k) for k in CLIENT_KEYS}, **decode_stats(text),
+        "prompt_tokens_mean": sum(prompts) / len(prompts),
+        "prompt_tokens_min": min(prompts), "prompt_tokens_max": max(prompts),
+        "bound": concurrency_bound(args.max_total_tokens, prompts, args.budget, args.window),
+        "retracted_requests": retracted_requests(text, before, after),
+        "eviction_seconds": evict_s,
+        "eviction_time_share": None if evict_s is None else evict_s / result["duration"],
+    }
+
+
 def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path) -> list[dict]:
+    """--repeats client runs per concurrency on one server of this arm."""
     log = out_dir / f"server-{name.replace('@', '_at_')}.log"
     log.unlink(missing_ok=True)
     server = BenchServer(args.model_path,
@@ -89,44 +213,119 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path) -
                          log_path=log, max_total_tokens=pool, max_running=None,
                          teacher_forcing=False,
                          threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    evicting = "--kv-evict-policy" in server_args
     rows = []
     try:
         for c in args.concurrency:
-            server.flush_cache()  # same prompts every run: no prefix hits from the last one
-            start_log = len(server.output())
-            seconds_before = eviction_seconds(server.get_text("/metrics"))
-            with tempfile.TemporaryDirectory() as tmp:
-                result = run_client(server, args, c, Path(tmp) / "out.jsonl", args.model_path)
-            text = server.output()[start_log:]
-            evict_s = eviction_seconds(server.get_text("/metrics")) - seconds_before
-            row = {"arm": name, "pool": pool, "concurrency": c,
-                   **{k: result.get(k) for k in CLIENT_KEYS}, **decode_stats(text),
-                   "retractions": len(re.findall(r"Retract requests", text)),
-                   "eviction_seconds": evict_s,
-                   "eviction_time_share": evict_s / result["duration"] if result["duration"] else 0.0}
-            rows.append(row)
-            print(f"  {name} c={c}: {row['output_throughput']:.0f} tok/s, peak running "
-                  f"{row['peak_running']}, eviction share {100 * row['eviction_time_share']:.2f} %",
-                  flush=True)
+            for rep in range(args.repeats):
+                row = {"arm": name, "pool": pool, "concurrency": c, "repeat": rep,
+                       **measure_run(server, args, c, evicting)}
+                rows.append(row)
+                share = row["eviction_time_share"]
+                print(f"  {name} c={c} run {rep + 1}/{args.repeats}: "
+                      f"{row['output_throughput']:.0f} tok/s, running peak {row['peak_running']} "
+                      f"mean {row['mean_running']:.1f}, bound {row['bound']:.1f}, eviction "
+                      + ("-" if share is None else f"{100 * share:.2f} %"), flush=True)
     finally:
         server.stop()
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+# ----------------------------------------------------------------------------- statistics
+
+STAT_KEYS = ["output_throughput", "peak_running", "mean_running", "bound", "prompt_tokens_mean",
+             "median_ttft_ms", "median_itl_ms", "p99_itl_ms", "peak_kv_tokens",
+             "retracted_requests", "eviction_time_share"]
+
+
+def spread(values: list[float]) -> dict:
+    """Median and range of repeated runs."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One entry per (arm, concurrency): median and range of every figure over the repeats."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["arm"], r["concurrency"]), []).append(r)
+    out = []
+    for (arm, c), runs in groups.items():
+        entry = {"arm": arm, "pool": runs[0]["pool"], "concurrency": c, "runs": len(runs)}
+        for k in STAT_KEYS:
+            vals = [r[k] for r in runs]
+            entry[k] = None if any(v is None for v in vals) else spread(vals)
+        out.append(entry)
+    return out
+
+
+def ratio(a: list[float], b: list[float]) -> dict:
+    """a / b from repeated runs of both: ratio of the medians, the range it can take within the
+    runs' ranges, and whether the difference is clear: the two ranges do not overlap."""
+    return {"median": statistics.median(a) / statistics.median(b),
+            "min": min(a) / max(b), "max": max(a) / min(b),
+            "separated": min(a) > max(b) or max(a) < min(b)}
+
+
+def against(values: list[float], target: float, higher_is_better: bool) -> dict:
+    """A figure against a fixed target: met only if every run meets it."""
+    s = spread(values)
+    s["meets_target"] = s["min"] >= target if higher_is_better else s["max"] <= target
+    s["target"] = target
+    return s
+
+
+def summarize(rows: list[dict], policies: list[str]) -> dict:
+    """The issue's criteria, per policy, at the highest concurrency run."""
+    c = max(r["concurrency"] for r in rows)
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["concurrency"] == c:
+            runs.setdefault(r["arm"], []).append(r)
+
+    def col(arm, key):
+        return [r[key] for r in runs[arm]]
+
+    out = {"concurrency": c}
+    for p in policies:
+        arm = f"{p}@N"
+        if arm not in runs:
+            continue
+        v = runs[arm]
+        s = {
+            "peak_running_over_bound": against([r["peak_running"] / r["bound"] for r in v], 0.95, True),
+            "mean_running_over_bound": against([r["mean_running"] / r["bound"] for r in v], 0.95, True),
+            "eviction_time_share": against(col(arm, "eviction_time_share"), 0.03, False),
+            "retracted_requests": spread(col(arm, "retracted_requests")),
+        }
+        for ref in ("full@N", "ceiling"):
+            if ref in runs:
+                s[f"throughput_over_{ref.split('@')[0]}"] = ratio(
+                    col(arm, "output_throughput"), col(ref, "output_throughput"))
+                s[f"mean_running_over_{ref.split('@')[0]}"] = ratio(
+                    col(arm, "mean_running"), col(ref, "mean_running"))
+        out[p] = s
+    return out
+
+
+def plot(agg: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for arm in dict.fromkeys(r["arm"] for r in rows):
-        sel = [r for r in rows if r["arm"] == arm]
-        xs = [r["concurrency"] for r in sel]
-        ax1.plot(xs, [r["output_throughput"] for r in sel], "o-", label=arm)
-        ax2.plot(xs, [r["peak_running"] for r in sel], "o-", label=arm)
-    ax1.set(xlabel="client concurrency", ylabel="output tokens/s", title="throughput")
-    ax2.set(xlabel="client concurrency", ylabel="peak running requests", title="concurrency")
+    for arm in dict.fromkeys(e["arm"] for e in agg):
+        sel = [e for e in agg if e["arm"] == arm]
+        xs = [e["concurrency"] for e in sel]
+        for ax, key in ((ax1, "output_throughput"), (ax2, "mean_running")):
+            med = [e[key]["median"] for e in sel]
+            err = [[m - e[key]["min"] for m, e in zip(med, sel)],
+                   [e[key]["max"] - m for m, e in zip(med, sel)]]
+            ax.errorbar(xs, med, yerr=err, fmt="o-", capsize=3, label=arm)
+    ax1.set(xlabel="client concurrency", ylabel="output tokens/s", title="throughput (median, range)")
+    ax2.set(xlabel="client concurrency", ylabel="mean running requests",
+            title="concurrency (median, range)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -134,44 +333,73 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def print_table(rows: list[dict], bound: float) -> None:
-    head = (f"{'arm':<16}{'pool':>7}{'conc':>6}{'tok/s':>9}{'peak run':>10}{'mean run':>10}"
-            f"{'peak KV':>9}{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'retract':>9}{'evict %':>9}")
-    print(head)
-    for r in rows:
-        print(f"{r['arm']:<16}{r['pool']:>7}{r['concurrency']:>6}{r['output_throughput']:>9.0f}"
-              f"{r['peak_running']:>10}{r['mean_running']:>10.1f}{r['peak_kv_tokens']:>9}"
-              f"{r['median_ttft_ms']:>10.0f}{r['median_itl_ms']:>9.1f}{r['p99_itl_ms']:>9.1f}"
-              f"{r['retractions']:>9}{100 * r['eviction_time_share']:>9.2f}")
-    print(f"bound N / (P + budget + window) = {bound:.2f} requests")
+def _fmt(s: dict | None, digits: int = 1, scale: float = 1.0) -> str:
+    """median [min-max] of repeated runs."""
+    if s is None:
+        return "–"
+    f = f"{{:.{digits}f}}"
+    if s["n"] == 1:
+        return f.format(scale * s["median"])
+    return (f.format(scale * s["median"]) + " [" + f.format(scale * s["min"]) + "–"
+            + f.format(scale * s["max"]) + "]")
 
 
-def summarize(rows: list[dict], policies: list[str], bound: float) -> dict:
-    """The issue's criteria, per policy, at the highest concurrency run."""
-    c = max(r["concurrency"] for r in rows)
-    at = {r["arm"]: r for r in rows if r["concurrency"] == c}
-    out = {"concurrency": c, "bound": bound}
-    for p in policies:
-        v, full, ceil = at.get(f"{p}@N"), at.get("full@N"), at.get("ceiling")
-        if v is None:
+def markdown_table(agg: list[dict]) -> str:
+    """Per arm and concurrency: median [min–max] over the repeats."""
+    lines = ["| arm | pool | conc | runs | output tok/s | peak running | mean running | "
+             "bound N/(P+T+R) | P (server) | TTFT p50 ms | ITL p50 / p99 ms | retracted | "
+             "eviction time |", "|" + "---|" * 13]
+    for e in agg:
+        lines.append(
+            f"| {e['arm']} | {e['pool']} | {e['concurrency']} | {e['runs']} | "
+            f"{_fmt(e['output_throughput'], 0)} | {_fmt(e['peak_running'], 0)} | "
+            f"{_fmt(e['mean_running'])} | {_fmt(e['bound'])} | {_fmt(e['prompt_tokens_mean'])} | "
+            f"{_fmt(e['median_ttft_ms'], 0)} | {_fmt(e['median_itl_ms'])} / "
+            f"{_fmt(e['p99_itl_ms'])} | {_fmt(e['retracted_requests'], 0)} | "
+            f"{_fmt(e['eviction_time_share'], 2, 100)}{'' if e['eviction_time_share'] is None else ' %'} |")
+    return "\n".join(lines)
+
+
+def markdown_summary(summary: dict) -> str:
+    """The criteria in words. A ratio is bold only where the runs' ranges do not overlap, a
+    target figure only where every run meets it."""
+    def ratio_text(r):
+        text = f"{r['median']:.2f} × [{r['min']:.2f}–{r['max']:.2f}]"
+        return f"**{text}**" if r["separated"] else text + " (ranges overlap)"
+
+    def target_text(t, pct=False):
+        k = 100 if pct else 1
+        unit = " %" if pct else " ×"
+        text = f"{k * t['median']:.2f}{unit} [{k * t['min']:.2f}–{k * t['max']:.2f}]"
+        return f"**{text}**" if t["meets_target"] else text + " (not in every run)"
+
+    lines = [f"at {summary['concurrency']} concurrent clients:"]
+    for p, s in summary.items():
+        if not isinstance(s, dict):
             continue
-        out[p] = {
-            "peak_running_over_bound": v["peak_running"] / bound,
-            "throughput_over_full": (v["output_throughput"] / full["output_throughput"]) if full else None,
-            "throughput_over_ceiling": (v["output_throughput"] / ceil["output_throughput"]) if ceil else None,
-            "eviction_time_share": v["eviction_time_share"],
-        }
-    return out
+        lines.append(f"- {p}: peak running / bound {target_text(s['peak_running_over_bound'])}, "
+                     f"mean running / bound {target_text(s['mean_running_over_bound'])} "
+                     f"(target ≥ 0.95), eviction time {target_text(s['eviction_time_share'], True)} "
+                     f"(target ≤ 3 %), retracted requests {s['retracted_requests']['max']:.0f} at most")
+        for ref in ("full", "ceiling"):
+            if f"throughput_over_{ref}" in s:
+                lines.append(f"  - vs {ref}: output tok/s {ratio_text(s[f'throughput_over_{ref}'])}, "
+                             f"mean running {ratio_text(s[f'mean_running_over_{ref}'])}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="model directory (default: the tiny local test model)")
     ap.add_argument("--max-total-tokens", type=int, default=4096, help="N, the pool of the @N arms")
-    ap.add_argument("--input-len", type=int, default=64, help="P, prompt tokens")
+    ap.add_argument("--input-len", type=int, default=64,
+                    help="the client's --random-input-len (the server sees longer prompts: the "
+                         "bound uses the lengths it reports)")
     ap.add_argument("--output-len", type=int, default=1024, help="L, output tokens (ignore_eos)")
     ap.add_argument("--num-prompts", type=int, default=24, help="M, requests per run")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[24])
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="client runs per arm and concurrency (median and range reported)")
     ap.add_argument("--policies", nargs="+", default=["vase-attnv"])
     ap.add_argument("--budget", type=int, default=192)
     ap.add_argument("--window", type=int, default=64)
@@ -185,7 +413,8 @@ def main(argv=None) -> int:
         from vase_sglang.tiny_model import build_tiny_qwen3
 
         args.model_path = str(build_tiny_qwen3())
-    for name in ("max_total_tokens", "input_len", "output_len", "num_prompts", "budget", "window"):
+    for name in ("max_total_tokens", "input_len", "output_len", "num_prompts", "budget", "window",
+                 "repeats"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if any(c <= 0 for c in args.concurrency):
@@ -194,7 +423,8 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     n = args.max_total_tokens
-    ceiling_pool = int(args.num_prompts * (args.input_len + args.output_len) * 1.05) + 1024
+    # the server's prompts are longer than --input-len (re-tokenized text): 2x slack
+    ceiling_pool = int(args.num_prompts * (2 * args.input_len + args.output_len) * 1.05) + 1024
     arms = []
     if "full" in args.arms:
         arms.append(("full@N", [], n))
@@ -212,21 +442,23 @@ def main(argv=None) -> int:
     for name, server_args, pool in tqdm(arms, desc="arms", unit="arm", file=sys.stdout):
         print(f"\n== {name} (pool {pool})", flush=True)
         rows += run_arm(name, server_args, pool, args, out_dir)
-    bound = n / (args.input_len + args.budget + args.window)
+    agg = aggregate(rows)
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "settings": {k: v for k, v in vars(args).items() if k not in ("quiet_client",)},
         "device": "cuda" if on_cuda() else f"cpu ({os.cpu_count()} cores)",
         "wall_seconds": time.time() - started,
         "rows": rows,
-        "summary": summarize(rows, args.policies, bound),
+        "aggregate": agg,
+        "summary": summarize(rows, args.policies),
     }
     (out_dir / "concurrency_scaling.json").write_text(json.dumps(result, indent=2))
-    plot(rows, out_dir / "concurrency_scaling.png")
+    plot(agg, out_dir / "concurrency_scaling.png")
+    table = markdown_table(agg) + "\n\n" + markdown_summary(result["summary"])
+    (out_dir / "concurrency_scaling.md").write_text(table + "\n")
     print()
-    print_table(rows, bound)
-    print(json.dumps(result["summary"], indent=2))
-    print(f"wrote {out_dir / 'concurrency_scaling.json'} and {out_dir / 'concurrency_scaling.png'}")
+    print(table)
+    print(f"wrote {out_dir / 'concurrency_scaling.json'}, .md and .png")
     return 0
 
 

@@ -1,23 +1,21 @@
 #!/usr/bin/env python
-"""Time ONE eviction step (gather + score/select + compaction) as the SGLang server runs it.
-
-The step mirrors EvictionRuntime._evict_group (patches/runtime.py) on a fake KV pool:
-
-  gather   slot ids from a req_to_token table, candidate K/V of every layer from the per-layer
-           pool buffers [S, H_kv, D] (EvictionRuntime._gather_kv itself, loaded from
-           patches/runtime.py), the window queries from the query ring [L, rows, W, H_q, D],
-           and the small id tensors keying the random draws;
-  select   select_tokens (score + forced slots + top-k / Gumbel-top-k + sort);
-  compact  compact_kv_ in place on the pool buffers.
+"""Time ONE eviction step as the SGLang server runs it: `EvictionRuntime.evict(batch)` of
+patches/runtime.py (imported as vase_sglang_patches.runtime; the benchmark stops if it cannot
+be, rather than time a copy), on a fake KV pool. The step gathers the candidates' K/V and the
+window queries, scores and selects (select_tokens), compacts the pool, rewrites the
+req_to_token rows, frees the dropped slots and updates the lengths. Its input is a stand-in
+batch (objects with the fields of SGLang's Req / ScheduleBatch that the step reads and writes,
+and an allocator that counts freed slots); every timed step starts from a fresh batch of
+requests due for eviction, and a step that does not free exactly B * R slots is an error.
 
 Shapes default to Qwen3-4B: 36 layers, 32 query / 8 KV heads, head_dim 128, bf16 KV. For a
 budget T and window R a request holds T + R private tokens when it is evicted: n = T candidates,
 K = T - R kept per (layer, KV head). The pool has B * (T + R) + 1 slots per layer (slot 0 is
 SGLang's padding slot), each request owning random distinct slots.
 
-Times are medians over --repeats steps after --warmup steps (torch.cuda.synchronize between the
-parts on CUDA); `total` is the median of the per-step sums. Each step compacts the pool in place,
-so later steps run on shuffled (equally random) data, with identical shapes and costs.
+Times are medians (and ranges) over --repeats steps after --warmup steps, each between two
+torch.cuda.synchronize on CUDA. Each step compacts the pool in place, so later steps run on
+shuffled (equally random) data, with identical shapes and costs.
 
 Bandwidth (GB/s) = bytes the step must move / total time, where the bytes are: the candidate K
 and V of all layers (policies that read K/V), the window queries (attention policies), and the
@@ -36,12 +34,14 @@ Note the torch scoring path of the attention policies materialises [B, L, H_kv, 
 logits twice (G = H_q / H_kv), four times the gathered K/V: that, not the pool, is what
 excludes most CPU configurations.
 
---check runs, before the benchmark, one step on the smallest configuration with
-VASE_KERNELS=torch and with VASE_KERNELS=triton from identical pools and asserts: scores within
-the kernel tests' tolerance (rtol 1e-4, atol 1e-6), forced slots equal, kept indices equal (a
-difference is accepted only where it is a near-tie flip fully explained by that score
-tolerance, and is counted), and the compacted pool buffers bit-equal (also with the triton
-compaction fed the torch selection). On CPU it sets TRITON_INTERPRET=1 itself (interpreted
+--check runs, before the benchmark, on the smallest configuration: every Triton op (window
+attention, value range, CUR leverage) against its torch reference on the same candidates,
+whatever the selected policies; then per policy, VASE_KERNELS=torch against triton from
+identical pools: scores within the kernel tests' tolerance (rtol 1e-4, atol 1e-6), forced
+slots equal, kept indices equal (a difference is accepted only where it is a near-tie flip
+fully explained by that score tolerance, and is counted), the real step's req_to_token rows
+equal and compacted pools bit-equal, and each backend's compaction of the torch selection
+bit-equal to the torch step's pool. On CPU it sets TRITON_INTERPRET=1 itself (interpreted
 kernels: slow, so --check-layers defaults to 2 there); it does not change the torch timings.
 
 Outputs: a table on stdout, a JSON file (--out, default results/kernels.json) with machine info
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -260,50 +259,81 @@ def estimate_bytes(shape: Shape, policy_name: str, policy_cls, cfg, b: int, t: i
 # --------------------------------------------------------------------------- fake server state
 
 
-def _load_runtime_class():
-    """EvictionRuntime from patches/runtime.py, loaded by path (the package __init__ would pull in
-    SGLang's hooks). None if that fails; the benchmark then uses an identical local gather."""
-    path = ROOT / "patches" / "runtime.py"
+def load_runtime_module():
+    """patches/runtime.py of THIS tree, imported as the server imports it (vase_sglang_patches).
+    No fallback: a benchmark of a copy of the step would not measure what the server runs."""
+    import importlib
+
     try:
-        name = "_vase_bench_runtime"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses resolve the module through sys.modules
-        spec.loader.exec_module(module)
-        return module.EvictionRuntime
-    except Exception as exc:  # pragma: no cover - depends on the concurrent tree
-        print(f"note: could not load {path} ({exc!r}); using the local gather", file=sys.stderr)
-        return None
+        module = importlib.import_module("vase_sglang_patches.runtime")
+    except Exception as exc:
+        raise SystemExit(f"error: cannot import vase_sglang_patches.runtime ({exc!r}): install "
+                         f"the project (pip install -e .) or link patches/ as "
+                         f"vase_sglang_patches") from exc
+    want = (ROOT / "patches" / "runtime.py").resolve()
+    if Path(module.__file__).resolve() != want:
+        raise SystemExit(f"error: vase_sglang_patches.runtime is {module.__file__}, not {want}: "
+                         f"the benchmark would time another tree's step")
+    return module
 
 
-class _LocalGather:
-    """Copy of EvictionRuntime._gather_kv, used only if patches/runtime.py cannot be loaded."""
+# Stand-ins for the SGLang objects EvictionRuntime.evict reads and writes (Req, Req.kv,
+# ScheduleBatch, the token allocator): the benchmark's input, not the thing measured.
 
-    def __init__(self, k_buffers, v_buffers):
-        self.k_buffers, self.v_buffers = k_buffers, v_buffers
 
-    @property
-    def num_layers(self):
-        return len(self.k_buffers)
+class _Kv:
+    def __init__(self, row: int, length: int):
+        self.req_pool_idx = row
+        self.kv_allocated_len = self.kv_committed_len = length
+        self.cache_protected_len = 0  # no radix-tree prefix: the private cache is the whole row
 
-    def _gather_kv(self, slots, reads_kv):
-        b, n = slots.shape
-        h, d = self.k_buffers[0].shape[1], self.k_buffers[0].shape[2]
-        if not reads_kv:
-            dummy = torch.zeros((), device=slots.device).expand(b, self.num_layers, h, n, d)
-            return dummy, dummy
-        keys = torch.stack([buf[slots] for buf in self.k_buffers], dim=1).transpose(2, 3)
-        values = torch.stack([buf[slots] for buf in self.v_buffers], dim=1).transpose(2, 3)
-        return keys, values
+
+class _SamplingParams:
+    def __init__(self, seed: int):
+        self.custom_params = None  # the server's settings
+        self.sampling_seed = seed  # keys the random draws
+
+
+class _Req:
+    def __init__(self, i: int, row: int, length: int, seed: int):
+        self.rid = f"bench-{i}"
+        self.kv = _Kv(row, length)
+        self.sampling_params = _SamplingParams(seed)
+        self.decode_batch_idx = 1  # past its first decode step
+        self.skip_radix_cache_insert = False
+
+
+class _Batch:
+    def __init__(self, reqs, device):
+        self.reqs = reqs
+        lens = [r.kv.kv_allocated_len for r in reqs]
+        self.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
+        self.seq_lens = self.seq_lens_cpu.to(device)
+        self.orig_seq_lens = None
+        self.seq_lens_sum = sum(lens)
+        self.batch_is_full = True
+
+
+class _Allocator:
+    """Counts the slots the step frees (SGLang's allocator concatenates them to its free list,
+    a cost this stand-in leaves out)."""
+
+    def __init__(self):
+        self.freed = 0
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.freed += int(slots.numel())
 
 
 class FakeServer:
-    """A KV pool holding B evictable requests of T + R private tokens each."""
+    """A KV pool holding B evictable requests of T + R private tokens each, and the real
+    EvictionRuntime of patches/runtime.py on it."""
 
     def __init__(self, shape: Shape, b: int, t: int, r: int, dtype, device, seed: int,
-                 with_ring: bool, runtime_cls, cfg):
+                 with_ring: bool, runtime_module):
         self.shape, self.b, self.t, self.r = shape, b, t, r
         self.device = torch.device(device)
+        self.module = runtime_module
         gen = torch.Generator(device=self.device).manual_seed(seed)
         num_slots = b * (t + r) + 1
         buf_shape = (num_slots, shape.kv_heads, shape.head_dim)
@@ -316,25 +346,31 @@ class FakeServer:
         # req_pool_idx of each request: a row of req_to_token and of the query ring
         self.rows = torch.randperm(b, generator=cpu_gen).tolist()
         self.req_to_token = slots.view(b, t + r).to(torch.int32).to(self.device)
+        self.initial_rows = self.req_to_token.clone()
         self.request_keys = (torch.randint(0, 2**31 - 1, (b,), generator=cpu_gen)).tolist()
         self.queries = None
         if with_ring:
             self.queries = torch.randn((shape.layers, b, r, shape.q_heads, shape.head_dim),
                                        generator=gen, device=self.device, dtype=dtype)
-        self.gatherer = None
-        if runtime_cls is not None:
-            try:
-                self.gatherer = runtime_cls(
-                    cfg=cfg, k_buffers=self.k_buffers, v_buffers=self.v_buffers,
-                    req_to_token=self.req_to_token, allocator=None, num_q_heads=shape.q_heads,
-                    head_dim=shape.head_dim, start_layer=0, queries=self.queries,
-                )
-            except Exception as exc:  # pragma: no cover - depends on the concurrent tree
-                print(f"note: EvictionRuntime(...) failed ({exc!r}); using the local gather",
-                      file=sys.stderr)
-        self.gather_impl = "patches/runtime.py" if self.gatherer is not None else "local copy"
-        if self.gatherer is None:
-            self.gatherer = _LocalGather(self.k_buffers, self.v_buffers)
+        self._runtimes = {}
+
+    def runtime(self, cfg):
+        """The server's EvictionRuntime for these settings (built once per cfg)."""
+        if cfg not in self._runtimes:
+            self._runtimes[cfg] = self.module.EvictionRuntime(
+                cfg=cfg, k_buffers=self.k_buffers, v_buffers=self.v_buffers,
+                req_to_token=self.req_to_token, allocator=_Allocator(),
+                num_q_heads=self.shape.q_heads, head_dim=self.shape.head_dim, start_layer=0,
+                queries=self.queries)
+        return self._runtimes[cfg]
+
+    def fresh_batch(self) -> _Batch:
+        """Every request back at T + R private tokens, due for eviction. The pool keeps what
+        the last step compacted into it (equally random data, same shapes and costs)."""
+        self.req_to_token.copy_(self.initial_rows)
+        n = self.t + self.r
+        return _Batch([_Req(i, row, n, key) for i, (row, key)
+                       in enumerate(zip(self.rows, self.request_keys))], self.device)
 
     def clone_pool(self):
         return [t.clone() for t in self.k_buffers], [t.clone() for t in self.v_buffers]
@@ -350,58 +386,33 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_step(server: FakeServer, cfg, backend: str):
-    """One eviction step in the order of EvictionRuntime._evict_group. Returns
-    (seconds per part, keep, slots)."""
-    from vase_sglang import select_tokens
-    from vase_sglang.ops import compact_kv_
-    from vase_sglang.policies import POLICIES
-
+def run_step(server: FakeServer, cfg, backend: str) -> float:
+    """One real eviction step, EvictionRuntime.evict(batch), on a fresh batch; its seconds.
+    Fails unless it evicted every request down to its budget."""
     os.environ["VASE_KERNELS"] = backend
-    device = server.device
-    policy = POLICIES[cfg.policy]
-    n, window = server.t, cfg.window
-    _sync(device)
-    t0 = time.perf_counter()
-    # -- gather (as _evict_group: protected prefix 0, so the private cache starts at column 0)
-    rows = torch.tensor(server.rows, device=device, dtype=torch.int64)
-    starts = torch.zeros(len(server.rows), device=device, dtype=torch.int64)
-    cols = starts[:, None] + torch.arange(n + window, device=device)
-    row_slots = server.req_to_token[rows[:, None], cols].long()  # [B, n + R]
-    slots = row_slots[:, :n]
-    keys, values = server.gatherer._gather_kv(slots, policy.reads_kv)
-    queries = None
-    if policy.needs_queries:
-        queries = server.queries[:, rows].permute(1, 0, 3, 2, 4)  # [B, L, H_q, W, D]
-    request = torch.tensor(server.request_keys, device=device)
-    rounds = torch.zeros(server.b, device=device, dtype=torch.int64)
-    layers = torch.arange(server.shape.layers, device=device)
-    _sync(device)
-    t1 = time.perf_counter()
-    # -- score + select
-    keep = select_tokens(
-        cfg, keys, values, queries,
-        request=request[:, None], layer=layers[None, :], round=rounds[:, None],
-        sinks=cfg.sinks, check=False,
-    )
-    _sync(device)
-    t2 = time.perf_counter()
-    # -- compaction in place
-    compact_kv_(server.k_buffers, server.v_buffers, slots, keep, ascending=policy.ascending)
-    _sync(device)
-    t3 = time.perf_counter()
-    parts = {"gather": t1 - t0, "select": t2 - t1, "compact": t3 - t2, "total": t3 - t0}
-    return parts, keep, slots
+    rt = server.runtime(cfg)
+    batch = server.fresh_batch()
+    saved, server.module.RUNTIME = server.module.RUNTIME, rt  # request_config reads it
+    try:
+        _sync(server.device)
+        t0 = time.perf_counter()
+        freed = rt.evict(batch)
+        _sync(server.device)
+        seconds = time.perf_counter() - t0
+    finally:
+        server.module.RUNTIME = saved
+    expected = server.b * (server.t - cfg.keep)
+    lens = [r.kv.kv_allocated_len for r in batch.reqs]
+    if freed != expected or lens != [cfg.budget] * server.b:
+        raise RuntimeError(f"{cfg.policy}: the step freed {freed} slots (expected {expected}) "
+                           f"and left lengths {sorted(set(lens))} (expected {cfg.budget})")
+    return seconds
 
 
 def time_config(server, cfg, backend, warmup, repeats):
     for _ in range(warmup):
         run_step(server, cfg, backend)
-    samples = {"gather": [], "select": [], "compact": [], "total": []}
-    for _ in range(repeats):
-        parts, _, _ = run_step(server, cfg, backend)
-        for key, value in parts.items():
-            samples[key].append(value)
+    samples = {"total": [run_step(server, cfg, backend) for _ in range(repeats)]}
     median = {key: statistics.median(v) for key, v in samples.items()}
     return median, samples
 
@@ -417,8 +428,55 @@ def _pools_equal(a_k, a_v, b_k, b_v) -> bool:
     return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a_k + a_v, b_k + b_v))
 
 
+def _gather(server: FakeServer, reads_kv: bool = True):
+    """Candidate K/V [B, L, H_kv, n, D] and window queries [B, L, H_q, W, D] of a fresh batch,
+    gathered here for the backend comparison (the step gathers its own)."""
+    rows = torch.tensor(server.rows, device=server.device)
+    slots = server.initial_rows[rows, : server.t].long()
+    if reads_kv:
+        keys = torch.stack([buf[slots] for buf in server.k_buffers], dim=1).transpose(2, 3)
+        values = torch.stack([buf[slots] for buf in server.v_buffers], dim=1).transpose(2, 3)
+    else:  # random / streaming read no K/V: shapes only
+        shape = (server.b, server.shape.layers, server.shape.kv_heads, server.t,
+                 server.shape.head_dim)
+        keys = values = torch.zeros((), device=server.device).expand(shape)
+    queries = None if server.queries is None else server.queries[:, rows].permute(1, 0, 3, 2, 4)
+    return slots, keys, values, queries
+
+
+CHECKED_OPS = ("window_attention", "value_range", "cur_leverage")
+
+
+def check_kernels(server: FakeServer, rank: int = 16) -> dict:
+    """Every Triton op against its torch reference on the benchmark's candidates, whatever the
+    selected policies use: window attention, value range, CUR leverage (compaction is compared
+    within the steps). Returns the largest absolute difference per op."""
+    from vase_sglang import ops
+
+    _, keys, values, queries = _gather(server)
+    gen = torch.Generator(device=server.device).manual_seed(7)
+    projection = torch.randn((server.shape.head_dim, rank), generator=gen, device=server.device)
+    calls = {  # keys: CHECKED_OPS
+        "window_attention": lambda: ops.window_attention(queries, keys),
+        "value_range": lambda: ops.value_range(values),
+        "cur_leverage": lambda: ops.cur_leverage(keys, values, projection),
+    }
+    diffs = {}
+    for name, call in calls.items():
+        out = {}
+        for backend in ("torch", "triton"):
+            os.environ["VASE_KERNELS"] = backend
+            out[backend] = call().float()
+        torch.testing.assert_close(out["triton"], out["torch"], **SCORE_TOL,
+                                   msg=lambda m, name=name: f"{name}: triton differs: {m}")
+        diffs[name] = float((out["triton"] - out["torch"]).abs().max())
+    return diffs
+
+
 def check_step(server: FakeServer, cfg) -> dict:
-    """Torch vs triton on the same pool: scores, forced slots, kept indices, compacted pool."""
+    """Torch vs triton on the same pool: scores, forced slots, kept indices, and the real
+    eviction step's compacted pool and req_to_token rows."""
+    from vase_sglang import select_tokens
     from vase_sglang.ops import compact_kv_
     from vase_sglang.policies import POLICIES, Draws
 
@@ -429,20 +487,16 @@ def check_step(server: FakeServer, cfg) -> dict:
     result = {"policy": cfg.policy, "budget": server.t, "requests": server.b,
               "layers": server.shape.layers}
 
-    # Scores and forced slots of both backends on the same gathered candidates.
-    os.environ["VASE_KERNELS"] = "torch"
-    rows = torch.tensor(server.rows, device=device)
-    slots = server.req_to_token[rows, : server.t].long()
-    keys, values = server.gatherer._gather_kv(slots, policy_cls.reads_kv)
-    queries = None
-    if policy_cls.needs_queries:
-        queries = server.queries[:, rows].permute(1, 0, 3, 2, 4)
-    request = torch.tensor(server.request_keys, device=device)
+    # Scores, forced slots and kept indices of both backends on the same candidates.
+    slots, keys, values, queries = _gather(server, policy_cls.reads_kv)
+    if not policy_cls.needs_queries:
+        queries = None
+    request = torch.tensor(server.request_keys, device=device)  # = the step's request keys
     layers = torch.arange(server.shape.layers, device=device)
     rounds = torch.zeros(server.b, device=device, dtype=torch.int64)
     draws = Draws.make(cfg.seed, keys.shape[:-3], device, request[:, None], layers[None, :],
                        rounds[:, None])
-    final, score, forced = {}, {}, {}
+    final, score, forced, keep = {}, {}, {}, {}
     for backend in ("torch", "triton"):
         os.environ["VASE_KERNELS"] = backend
         s = pol.score(keys, values, queries, draws).float()
@@ -451,27 +505,23 @@ def check_step(server: FakeServer, cfg) -> dict:
         p = s.clamp_min(1e-30).log() + draws.gumbel(s.shape[-2:]) if pol.samples else s
         score[backend], forced[backend] = s, f
         final[backend] = p.masked_fill(f, float("inf"))
+        keep[backend] = select_tokens(cfg, keys, values, queries, request=request[:, None],
+                                      layer=layers[None, :], round=rounds[:, None],
+                                      sinks=cfg.sinks, check=False)
     torch.testing.assert_close(score["triton"], score["torch"], **SCORE_TOL,
                                msg=lambda m: f"{cfg.policy}: triton scores differ: {m}")
     assert torch.equal(forced["triton"], forced["torch"]), f"{cfg.policy}: forced slots differ"
     result["max_abs_score_diff"] = float((score["triton"] - score["torch"]).abs().max())
     del keys, values, queries
 
-    # Full steps from identical pools.
-    server.set_pool(orig_k, orig_v)
-    _, keep_ref, _ = run_step(server, cfg, "torch")
-    ref_k, ref_v = server.clone_pool()
-    server.set_pool(orig_k, orig_v)
-    _, keep_tri, slots = run_step(server, cfg, "triton")
-    tri_k, tri_v = server.clone_pool()
-
     flips = 0
+    keep_ref, keep_tri = keep["torch"], keep["triton"]
     if not torch.equal(keep_tri, keep_ref):
         n = server.t
         kept = {}
-        for name, keep in (("torch", keep_ref), ("triton", keep_tri)):
-            mask = torch.zeros(*keep.shape[:-1], n, dtype=torch.bool, device=device)
-            kept[name] = mask.scatter_(-1, keep, True)
+        for name, k in (("torch", keep_ref), ("triton", keep_tri)):
+            mask = torch.zeros(*k.shape[:-1], n, dtype=torch.bool, device=device)
+            kept[name] = mask.scatter_(-1, k, True)
         diff = kept["torch"] ^ kept["triton"]
         # A difference is a near-tie flip iff every differing candidate's (final) score is
         # within the two backends' score disagreement of the selection boundary.
@@ -488,15 +538,26 @@ def check_step(server: FakeServer, cfg) -> dict:
     result["kept_indices_equal"] = flips == 0
     result["near_tie_flips"] = flips
 
+    # The real step (EvictionRuntime.evict) from identical pools with each backend.
+    after = {}
+    for backend in ("torch", "triton"):
+        server.set_pool(orig_k, orig_v)
+        run_step(server, cfg, backend)
+        after[backend] = (*server.clone_pool(), server.req_to_token.clone())
+    ref_k, ref_v, ref_rows = after["torch"]
+    tri_k, tri_v, tri_rows = after["triton"]
+    assert torch.equal(tri_rows, ref_rows), f"{cfg.policy}: req_to_token rows differ"
     if flips == 0:
         assert _pools_equal(tri_k, tri_v, ref_k, ref_v), f"{cfg.policy}: compacted pools differ"
-    # Triton compaction fed the torch selection: bit-equal whatever the selection did.
-    server.set_pool(orig_k, orig_v)
-    os.environ["VASE_KERNELS"] = "triton"
-    compact_kv_(server.k_buffers, server.v_buffers, slots, keep_ref,
-                ascending=policy_cls.ascending)
-    assert _pools_equal(server.k_buffers, server.v_buffers, ref_k, ref_v), (
-        f"{cfg.policy}: triton compaction of the torch selection differs")
+    # The step is select + compact: each backend's compaction of the torch selection equals
+    # the torch step's pool, bit for bit.
+    for backend in ("torch", "triton"):
+        server.set_pool(orig_k, orig_v)
+        os.environ["VASE_KERNELS"] = backend
+        compact_kv_(server.k_buffers, server.v_buffers, slots, keep_ref,
+                    ascending=policy_cls.ascending)
+        assert _pools_equal(server.k_buffers, server.v_buffers, ref_k, ref_v), (
+            f"{cfg.policy}: {backend} compaction of the torch selection differs from the step")
     result["compacted_pool_bit_equal"] = True
     server.set_pool(orig_k, orig_v)
     return result
@@ -543,8 +604,8 @@ def _num(x: float) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["policy", "backend", "B", "T", "gather ms", "select ms", "compact ms", "total ms",
-            "GB/s", "est GiB", "status"]
+    head = ["policy", "backend", "B", "T", "step ms", "min ms", "max ms", "GB/s", "est GiB",
+            "status"]
     lines = []
     for r in rows:
         ok = r["status"] == "ok"
@@ -554,14 +615,15 @@ def format_table(rows: list[dict]) -> str:
 
         lines.append([
             r["policy"], r["backend"], str(r["requests"]), str(r["budget"]),
-            ms("gather"), ms("select"), ms("compact"), ms("total"),
+            ms("total"), f"{min(r['samples_ms']['total']):.2f}" if ok else "-",
+            f"{max(r['samples_ms']['total']):.2f}" if ok else "-",
             _num(r["gb_per_s"]) if ok else "-",
             f"{r['est_bytes'] / GIB:.2f}",
             "ok" if ok else f"{r['status']}: {r['reason']}",
         ])
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
               for i, h in enumerate(head)]
-    right = {2, 3, 4, 5, 6, 7, 8, 9}
+    right = {2, 3, 4, 5, 6, 7, 8}
 
     def fmt(cells):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w)
@@ -637,23 +699,31 @@ class Context:
     repeats: int
     cap: int  # bytes
     cfgs: dict  # (policy, budget) -> EvictionConfig
-    runtime_cls: object
+    runtime_module: object  # patches/runtime.py
     needs_ring: bool
 
-    def server(self, shape: Shape, b: int, t: int) -> FakeServer:
+    def server(self, shape: Shape, b: int, t: int, with_ring: bool | None = None) -> FakeServer:
         return FakeServer(shape, b, t, self.window, self.dtype, self.device, self.seed,
-                          self.needs_ring, self.runtime_cls, self.cfgs[self.policies[0], t])
+                          self.needs_ring if with_ring is None else with_ring,
+                          self.runtime_module)
 
 
-def run_checks(ctx: Context, layers: int) -> list[dict]:
-    """--check: triton vs torch on the smallest configuration, every selected policy."""
+def run_checks(ctx: Context, layers: int) -> tuple[dict, list[dict]]:
+    """--check: triton vs torch on the smallest configuration: every op, then the step of
+    every selected policy."""
     shape = Shape(layers, ctx.shape.q_heads, ctx.shape.kv_heads, ctx.shape.head_dim,
                   ctx.shape.elt)
     b, t = min(ctx.requests), min(ctx.budgets)
     print(f"check: triton vs torch, B={b} T={t} layers={layers} on {ctx.device}"
           + (" (Triton interpreter)" if ctx.device.type != "cuda" else ""), file=sys.stderr)
     checks = []
-    server = ctx.server(shape, b, t)
+    server = ctx.server(shape, b, t, with_ring=True)  # the window-attention op needs queries
+    try:
+        kernels = {"ok": True, "max_abs_diff": check_kernels(server)}
+    except AssertionError as exc:
+        kernels = {"ok": False, "error": str(exc)}
+    print("check kernels (" + ", ".join(CHECKED_OPS) + "): "
+          + ("ok" if kernels["ok"] else "FAILED: " + kernels["error"]), flush=True)
     for policy in ctx.policies:
         start = time.perf_counter()
         try:
@@ -667,7 +737,7 @@ def run_checks(ctx: Context, layers: int) -> list[dict]:
         flips = res.get("near_tie_flips")
         print(f"check {policy}: " + ("ok" if res["ok"] else "FAILED: " + res["error"])
               + (f" ({flips} near-tie flips)" if flips else ""), flush=True)
-    return checks
+    return kernels, checks
 
 
 def run_benchmark(ctx: Context, progress: bool) -> list[dict]:
@@ -713,12 +783,10 @@ def run_benchmark(ctx: Context, progress: bool) -> list[dict]:
                                                       ctx.warmup, ctx.repeats)
                         row.update(
                             status="ok", reason="",
-                            gather_impl=server.gather_impl,
+                            step=f"{ctx.runtime_module.__name__}.EvictionRuntime.evict",
                             ms={k: v * 1e3 for k, v in median.items()},
                             samples_ms={k: [x * 1e3 for x in v] for k, v in samples.items()},
                             gb_per_s=row["bytes"]["total"] / median["total"] / 1e9,
-                            compact_gb_per_s=(row["bytes"]["compaction_read_write"]
-                                              / median["compact"] / 1e9),
                         )
                         if cuda:
                             row["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
@@ -817,7 +885,7 @@ def _main(argv=None) -> int:
             except ValueError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
-    runtime_cls = _load_runtime_class()
+    runtime_module = load_runtime_module()
     info = machine_info(device, torch.get_num_threads())
     command = shlex.join([sys.executable, *sys.argv] if argv is None
                          else [sys.executable, sys.argv[0], *argv])
@@ -834,6 +902,7 @@ def _main(argv=None) -> int:
             "mem_cap_gib": round(cap / GIB, 2), "seed": args.seed,
             "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         },
+        "check_kernels": None,
         "check": None,
         "rows": [],
     }
@@ -841,13 +910,13 @@ def _main(argv=None) -> int:
     png = args.out.with_suffix(".png")
     ctx = Context(device=device, shape=shape, dtype=dtype, window=args.window, seed=args.seed,
                   policies=policies, backends=backends, budgets=budgets, requests=requests,
-                  warmup=warmup, repeats=repeats, cap=cap, cfgs=cfgs, runtime_cls=runtime_cls,
+                  warmup=warmup, repeats=repeats, cap=cap, cfgs=cfgs, runtime_module=runtime_module,
                   needs_ring=any(POLICIES[p].needs_queries for p in policies))
     status = 0
     if args.check:
         check_layers = args.check_layers or (2 if on_cpu else layers)
-        report["check"] = run_checks(ctx, check_layers)
-        status = 0 if all(c["ok"] for c in report["check"]) else 1
+        report["check_kernels"], report["check"] = run_checks(ctx, check_layers)
+        status = 0 if report["check_kernels"]["ok"] and all(c["ok"] for c in report["check"]) else 1
     if not args.check_only:
         report["rows"] = run_benchmark(ctx, progress=not args.no_progress)
 

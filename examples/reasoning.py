@@ -23,6 +23,8 @@ or from the command line: examples/solve.py, examples/self_consistency.py.
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 from typing import Optional
 
 import sglang as sgl
@@ -47,13 +49,23 @@ def connect(url: str, chat_template: Optional[str] = None) -> "sgl.RuntimeEndpoi
     return backend
 
 
+def _without_turn_end(backend):
+    """The backend with a chat template that has no stop strings. sglang.lang adds the template's
+    end-of-turn strings (e.g. "<|im_end|>") to the stop list of every gen, and SGLang matches
+    stop strings on the decoded text even with ignore_eos: a sampled end-of-turn token would end
+    a branch early although the caller asked for exactly max_tokens."""
+    backend = copy.copy(backend)  # the caller's backend keeps its template
+    backend.chat_template = dataclasses.replace(backend.chat_template, stop_str=())
+    return backend
+
+
 def _meta(meta: Optional[dict]) -> dict:
     meta = meta or {}
     return {
         "completion_tokens": meta.get("completion_tokens"),
         "prompt_tokens": meta.get("prompt_tokens"),
         "cached_tokens": meta.get("cached_tokens"),
-        "kv_evicted_tokens": meta.get("kv_evicted_tokens", 0),
+        "kv_evicted_tokens": meta.get("kv_evicted_tokens"),  # None: not a VaSE server
         "finish_reason": meta.get("finish_reason"),
     }
 
@@ -94,8 +106,15 @@ def majority_vote(answers: list[Optional[str]]) -> tuple[Optional[str], dict]:
     return winner, dict(counts)
 
 
+# The programs' sampling arguments are bound, not passed to .run(): SglFunction.run has its own
+# temperature / top_p / ignore_eos keywords (default sampling parameters) and would swallow
+# them, leaving the program's defaults in its gen() calls.
+
+
 def run_solve(backend, question: str, **kwargs) -> dict:
-    state = solve.run(question=question, backend=backend, **kwargs)
+    if kwargs.get("ignore_eos"):
+        backend = _without_turn_end(backend)
+    state = solve.bind(**kwargs).run(question=question, backend=backend)
     if state.error():
         raise RuntimeError(f"solve failed: {state.error()}")
     text = state["reasoning"]
@@ -105,7 +124,9 @@ def run_solve(backend, question: str, **kwargs) -> dict:
 
 
 def run_self_consistency(backend, question: str, k: int = 5, **kwargs) -> dict:
-    state = self_consistency.run(question=question, k=k, backend=backend, **kwargs)
+    if kwargs.get("ignore_eos"):
+        backend = _without_turn_end(backend)
+    state = self_consistency.bind(k=k, **kwargs).run(question=question, backend=backend)
     if state.error():
         raise RuntimeError(f"self_consistency failed: {state.error()}")
     branches = state["branches"]

@@ -1,4 +1,5 @@
-"""benchmarks/concurrency_scaling.py end to end (slow: three server starts; not in CI).
+"""benchmarks/concurrency_scaling.py: its parsers and failure paths on text in SGLang 0.5.23's
+formats (fast), and the benchmark end to end (slow: three server starts; not in CI).
 
     pytest -m slow tests/test_benchmarks_concurrency.py
 """
@@ -11,6 +12,134 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # benchmarks/ is not installed
+
+from benchmarks import concurrency_scaling as cs  # noqa: E402
+from benchmarks.concurrency_scaling import MissingMeasurement  # noqa: E402
+
+LABELS = {"model_name": "tiny", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+
+
+def decode_line(running, tokens, it=None, queue=0):
+    """A scheduler line as SchedulerMetricsReporter.report_decode_stats formats it (logger
+    prefix "[time] ", iteration only with SGLANG_LOG_FORWARD_ITERS)."""
+    iter_msg = f" [{it}]" if it is not None else ""
+    return (f"[2026-12-01 08:00:00] Decode batch{iter_msg}, #running-req: {running}, "
+            f"#token: {tokens}, token usage: {tokens / 4096:.2f}, cuda graph: False, "
+            f"gen throughput (token/s): 123.45, #queue-req: {queue}")
+
+
+def retract_line(k):
+    """Scheduler.update_running_batch's warning when the pool is full."""
+    return (f"[2026-12-01 08:00:01] KV cache pool is full. Retract requests. #retracted_reqs: {k}, "
+            f"#new_tokens_gained: {100 * k}, #new_token_ratio: 0.7000 -> 0.8000")
+
+
+PREFILL = ("[2026-12-01 08:00:00] Prefill batch, #new-seq: 2, #new-token: 130, #cached-token: 0, "
+           "token usage: 0.03, #running-req: 9, #queue-req: 0")
+
+
+def metrics_text(retracted=None, prompts=None, evict_steps=None):
+    """/metrics text written by the real prometheus_client, with SGLang's and our metric names
+    and labels (a labelled series only appears once it has been touched, as in the server)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    retr = Counter("sglang:num_retracted_requests_total", "Total number of retracted requests.",
+                   labelnames=list(LABELS), registry=reg)
+    prompt = Histogram("sglang:prompt_tokens_histogram", "Histogram of prompt token length.",
+                       labelnames=list(LABELS), buckets=[100, 300, 500], registry=reg)
+    evict = Histogram("vase:eviction_seconds", "Wall time of one eviction step.",
+                      labelnames=list(LABELS), buckets=[0.001, 0.01, 0.1], registry=reg)
+    if retracted is not None:
+        retr.labels(**LABELS).inc(retracted)
+    for n in prompts or []:
+        prompt.labels(**LABELS).observe(n)
+    for sec in evict_steps or []:
+        evict.labels(**LABELS).observe(sec)
+    return generate_latest(reg).decode()
+
+
+def test_decode_stats_parse_running_requests_and_fail_without_lines():
+    log = "\n".join([PREFILL, decode_line(3, 400), decode_line(5, 700, it=12), PREFILL,
+                     decode_line(4, 650, queue=2)])
+    assert cs.decode_stats(log) == {"peak_running": 5, "mean_running": 4.0,
+                                    "peak_kv_tokens": 700, "decode_steps": 3}
+    with pytest.raises(MissingMeasurement, match="Decode batch"):
+        cs.decode_stats(PREFILL)  # used to report 0 running requests
+
+
+def test_retractions_count_requests_not_lines():
+    log = "\n".join([decode_line(8, 4000), retract_line(3), decode_line(5, 3000), retract_line(1)])
+    assert cs.retracted_requests_logged(log) == 4
+    before, after = cs.metric_sums(metrics_text()), cs.metric_sums(metrics_text(retracted=4))
+    assert cs.retracted_requests(log, before, after) == 4
+    with pytest.raises(MissingMeasurement, match="counts 2"):
+        cs.retracted_requests(log, before, cs.metric_sums(metrics_text(retracted=2)))
+    with pytest.raises(MissingMeasurement, match="not exported"):
+        cs.retracted_requests(log, before, before)
+    assert cs.retracted_requests(decode_line(2, 100), before, before) == 0
+    with pytest.raises(MissingMeasurement, match="format"):
+        cs.retracted_requests_logged("KV cache pool is full. Retract requests. gained 5")
+
+
+def test_eviction_time_is_measured_or_the_run_fails():
+    before = cs.metric_sums(metrics_text(evict_steps=[0.5]))
+    after = cs.metric_sums(metrics_text(evict_steps=[0.5, 0.25, 0.125]))
+    assert cs.eviction_seconds(before, after, evicting=True) == 0.375
+    # stock arms have no eviction time (not 0 %) ...
+    nothing = cs.metric_sums(metrics_text())
+    assert cs.eviction_seconds(nothing, nothing, evicting=False) is None
+    # ... and an evicting arm without a measured step stops the benchmark: a 0 % share would
+    # pass the <= 3 % target by default
+    with pytest.raises(MissingMeasurement, match="no eviction step"):
+        cs.eviction_seconds(nothing, nothing, evicting=True)
+    with pytest.raises(MissingMeasurement, match="no eviction step"):
+        cs.eviction_seconds(after, after, evicting=True)
+    with pytest.raises(MissingMeasurement, match="without eviction"):
+        cs.eviction_seconds(before, after, evicting=False)
+
+
+def test_bound_uses_the_prompt_lengths_the_server_saw():
+    lens = [65, 134, 101, 100]  # --input-len 64, as the server tokenized the text prompts
+    result = {"completed": 4, "input_lens": lens}
+    before, after = cs.metric_sums(metrics_text(prompts=[30])), cs.metric_sums(metrics_text(prompts=[30, *lens]))
+    assert cs.server_prompt_lengths(result, before, after) == lens
+    assert cs.concurrency_bound(4096, lens, 192, 64) == 4096 / (100 + 192 + 64)
+    with pytest.raises(MissingMeasurement, match="disagrees"):
+        cs.server_prompt_lengths({"completed": 4, "input_lens": [64] * 4}, before, after)
+    with pytest.raises(MissingMeasurement, match="input_lens"):
+        cs.server_prompt_lengths({"completed": 4}, before, after)
+
+
+def _row(arm, tput, peak, mean, share=None, bound=10.0):
+    return {"arm": arm, "pool": 4096, "concurrency": 24, "output_throughput": tput,
+            "peak_running": peak, "mean_running": mean, "bound": bound, "prompt_tokens_mean": 100.0,
+            "median_ttft_ms": 1.0, "median_itl_ms": 1.0, "p99_itl_ms": 1.0, "peak_kv_tokens": 1,
+            "retracted_requests": 0, "eviction_time_share": share}
+
+
+def test_a_ratio_is_bold_only_when_the_runs_ranges_do_not_overlap():
+    rows = ([_row("full@N", t, 3, 3.0) for t in (100, 110, 120)]
+            + [_row("vase-attnv@N", t, p, m, s) for t, p, m, s in
+               ((300, 11, 9.0, 0.01), (330, 10, 9.5, 0.02), (310, 12, 10.0, 0.04))]
+            + [_row("ceiling", t, 24, 23.0) for t in (280, 350, 320)])
+    summary = cs.summarize(rows, ["vase-attnv"])["vase-attnv"]
+    full, ceil = summary["throughput_over_full"], summary["throughput_over_ceiling"]
+    assert full["separated"] and full["median"] == 310 / 110 and full["min"] == 300 / 120
+    assert not ceil["separated"] and ceil["min"] == 300 / 350 and ceil["max"] == 330 / 280
+    peak = summary["peak_running_over_bound"]
+    assert (peak["median"], peak["min"], peak["meets_target"]) == (1.1, 1.0, True)
+    mean = summary["mean_running_over_bound"]
+    assert mean["median"] == 0.95 and mean["min"] == 0.9 and not mean["meets_target"]
+    assert not summary["eviction_time_share"]["meets_target"]  # one run of three over 3 %
+    text = cs.markdown_summary(cs.summarize(rows, ["vase-attnv"]))
+    assert "**2.82 × [2.50–3.30]**" in text and "0.97 × [0.86–1.18] (ranges overlap)" in text
+    assert "**1.10 × [1.00–1.20]**" in text and "0.95 × [0.90–1.00] (not in every run)" in text
+    agg = {e["arm"]: e for e in cs.aggregate(rows)}
+    assert agg["vase-attnv@N"]["mean_running"] == {"median": 9.5, "min": 9.0, "max": 10.0, "n": 3}
+    assert agg["full@N"]["eviction_time_share"] is None
+    assert "| full@N | 4096 | 24 | 3 | 110 [100–120] |" in cs.markdown_table(cs.aggregate(rows))
 
 
 @pytest.mark.slow
@@ -18,16 +147,20 @@ def test_concurrency_scaling_small_run(tiny_model, tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "concurrency_scaling.py"),
            "--model-path", tiny_model, "--max-total-tokens", "1024", "--input-len", "32",
            "--output-len", "160", "--num-prompts", "8", "--budget", "64", "--window", "16",
-           "--concurrency", "8", "--out", str(tmp_path), "--quiet-client"]
+           "--concurrency", "8", "--repeats", "2", "--out", str(tmp_path), "--quiet-client"]
     subprocess.run(cmd, check=True, timeout=3000)
     result = json.loads((tmp_path / "concurrency_scaling.json").read_text())
     assert (tmp_path / "concurrency_scaling.png").stat().st_size > 0
-    rows = {r["arm"]: r for r in result["rows"]}
-    assert set(rows) == {"full@N", "vase-attnv@N", "ceiling"}
-    assert all(r["completed"] == 8 and r["total_output_tokens"] == 8 * 160 for r in rows.values())
-    # Stock charges 32 + 160 per request on the 1024 pool; VaSE 32 + 64 + 8 + 2.
-    assert rows["full@N"]["peak_running"] <= 1024 // 192
-    assert rows["vase-attnv@N"]["peak_running"] >= 8
-    assert rows["vase-attnv@N"]["eviction_seconds"] > 0
-    assert rows["full@N"]["eviction_seconds"] == 0
-    assert rows["vase-attnv@N"]["retractions"] == 0
+    assert (tmp_path / "concurrency_scaling.md").read_text().count("| vase-attnv@N |") == 1
+    assert [r["arm"] for r in result["rows"]] == ["full@N"] * 2 + ["vase-attnv@N"] * 2 + ["ceiling"] * 2
+    for r in result["rows"]:
+        assert r["completed"] == 8 and r["total_output_tokens"] == 8 * 160
+        # the server saw longer prompts than the nominal 32, and the bound uses them
+        assert r["prompt_tokens_min"] >= 32
+        assert r["bound"] == pytest.approx(1024 / (r["prompt_tokens_mean"] + 64 + 16))
+        assert r["retracted_requests"] == 0
+        if r["arm"] == "full@N":  # stock charges P + 160 per request on the 1024 pool
+            assert r["peak_running"] <= 1024 // (r["prompt_tokens_min"] + 160)
+            assert r["eviction_seconds"] is None
+        if r["arm"] == "vase-attnv@N":
+            assert r["peak_running"] == 8 and r["eviction_seconds"] > 0

@@ -1,10 +1,13 @@
-"""Smoke test of benchmarks/kernels.py: the eviction-step benchmark runs and writes its outputs."""
+"""benchmarks/kernels.py: it times the server's own eviction step (and refuses to run without
+it), writes its outputs, and --check compares every Triton op and the step with torch."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "kernels.py"
@@ -31,26 +34,69 @@ def _run(*args, timeout=120):
 
 def test_quick_run_writes_json_rows_and_plot(tmp_path):
     out = tmp_path / "k.json"
-    proc = _run("--quick", "--out", str(out))
+    proc = _run("--quick", "--layers", "4", "--out", str(out))  # 4 of 36 layers: a smoke run
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert rows, "no rows"
     ok = [r for r in rows if r["status"] == "ok"]
     assert ok, f"no configuration ran: {[(r['status'], r['reason']) for r in rows]}"
     for r in ok:
-        assert set(r["ms"]) == {"gather", "select", "compact", "total"}
-        assert all(v > 0 for v in r["ms"].values()), r["ms"]
+        assert set(r["ms"]) == {"total"} and r["ms"]["total"] > 0, r["ms"]
+        assert r["step"] == "vase_sglang_patches.runtime.EvictionRuntime.evict"
+        assert len(r["samples_ms"]["total"]) == 2
         assert r["gb_per_s"] > 0 and r["bytes"]["total"] > 0
     assert report["machine"]["torch"] and report["machine"]["device_name"]
     assert "--quick" in report["command"]
     assert (tmp_path / "k.png").stat().st_size > 0
-    assert "total ms" in proc.stdout  # the printed table
+    assert "step ms" in proc.stdout  # the printed table
 
 
 def test_check_mode_passes_on_a_tiny_configuration(tmp_path):
     out = tmp_path / "c.json"
     _run("--check-only", "--policies", "streaming,vase-dkv", "--requests", "1",
          "--budgets", "128", "--check-layers", "1", "--out", str(out))
-    checks = json.loads(out.read_text())["check"]
+    report = json.loads(out.read_text())
+    checks = report["check"]
     assert [c["policy"] for c in checks] == ["streaming", "vase-dkv"]
     assert all(c["ok"] and c["compacted_pool_bit_equal"] for c in checks), checks
+    # every op, the window-attention kernel included although neither policy scores with it
+    kernels = report["check_kernels"]
+    assert kernels["ok"], kernels
+    assert set(kernels["max_abs_diff"]) == {"window_attention", "value_range", "cur_leverage"}
+
+
+def test_the_timed_step_is_the_servers(tmp_path, monkeypatch):
+    """Every timed call goes through EvictionRuntime.evict of patches/runtime.py, and each one
+    evicts (a step that frees nothing is an error, not a fast time)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    module = kernels.load_runtime_module()
+    assert Path(module.__file__).resolve() == (ROOT / "patches" / "runtime.py").resolve()
+    real, freed = module.EvictionRuntime.evict, []
+
+    def counted(self, batch, *args, **kwargs):
+        freed.append(real(self, batch, *args, **kwargs))
+        return freed[-1]
+
+    monkeypatch.setattr(module.EvictionRuntime, "evict", counted)
+    assert kernels.main(["--policies", "snapkv,streaming", "--budgets", "64", "--requests", "2",
+                         "--window", "16", "--layers", "2", "--warmup", "1", "--repeats", "3",
+                         "--no-plot", "--no-progress", "--out", str(tmp_path / "k.json")]) == 0
+    assert freed == [2 * 16] * (2 * (1 + 3))  # B * R slots per step, 2 policies x 4 steps
+    # a no-op step must not be timed
+    monkeypatch.setattr(module.EvictionRuntime, "evict", lambda self, batch, *a, **k: 0)
+    with pytest.raises(RuntimeError, match="freed 0 slots"):
+        kernels.main(["--policies", "snapkv", "--budgets", "64", "--requests", "1", "--layers", "1",
+                      "--window", "16", "--no-plot", "--no-progress", "--out", str(tmp_path / "x.json")])
+
+
+def test_no_fallback_when_the_step_cannot_be_imported(tmp_path):
+    code = ("import sys, runpy; sys.modules['vase_sglang_patches'] = None; "
+            f"sys.argv = ['kernels.py', '--quick', '--out', {str(tmp_path / 'k.json')!r}]; "
+            "runpy.run_path('benchmarks/kernels.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "vase_sglang_patches.runtime" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "k.json").exists()

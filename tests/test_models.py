@@ -62,9 +62,10 @@ def test_join_checks_sha_and_stamps(tmp_path, cache, monkeypatch):
     assert models.fetch("fake") == path and len(converted) == 2
 
 
-def _write_tiny_qwen2_gguf(out):
-    """A random 2-layer Qwen2 written as an F32 GGUF (with the tiny BPE tokenizer and chat
-    template), and the same model saved as an HF folder for reference."""
+def _write_tiny_qwen2_gguf(out, quantized=None, intermediate=128):
+    """A random 2-layer Qwen2 written as a GGUF (with the tiny BPE tokenizer and chat template),
+    and the same model saved as an HF folder for reference. Tensors are F32 except those named
+    in `quantized` (GGUF name -> function(float32 array) -> (raw bytes, GGML type))."""
     import gguf
     import numpy as np
     import torch
@@ -76,7 +77,7 @@ def _write_tiny_qwen2_gguf(out):
     merges = json.loads((out / "tok" / "tokenizer.json").read_text())["model"]["merges"]
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     specials = {tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
-    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -84,7 +85,7 @@ def _write_tiny_qwen2_gguf(out):
     model.save_pretrained(out / "ref")
     w = gguf.GGUFWriter(str(out / "tiny.gguf"), "qwen2")
     w.add_block_count(2); w.add_context_length(2048); w.add_embedding_length(64)  # noqa: E702
-    w.add_feed_forward_length(128); w.add_head_count(4); w.add_head_count_kv(2)  # noqa: E702
+    w.add_feed_forward_length(intermediate); w.add_head_count(4); w.add_head_count_kv(2)  # noqa: E702
     w.add_rope_freq_base(10000.0); w.add_layer_norm_rms_eps(1e-6); w.add_file_type(0)  # noqa: E702
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("qwen2")  # noqa: E702
     w.add_token_list([t for t, _ in vocab])
@@ -106,7 +107,12 @@ def _write_tiny_qwen2_gguf(out):
         else:
             parts = name.split(".")
             gname = f"blk.{parts[2]}.{per_layer['.'.join(parts[3:-1])]}.{parts[-1]}"
-        w.add_tensor(gname, np.ascontiguousarray(tensor.float().numpy()))
+        data = np.ascontiguousarray(tensor.float().numpy())
+        if gname in (quantized or {}):
+            raw, qtype = quantized[gname](data)
+            w.add_tensor(gname, raw, raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, data)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
     return out / "tiny.gguf", out / "ref"
 
@@ -132,6 +138,62 @@ def test_fetch_converts_a_real_gguf(tmp_path, cache, monkeypatch):
     text = "Hello world! The capital of France is Paris. 12 + 30"
     assert tok.decode(tok(text)["input_ids"]) == text
     assert tok.eos_token == "<|im_end|>" and "<|im_start|>" in tok.chat_template
+
+
+def _q8_0(data):
+    import gguf
+
+    return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+
+
+def _q4_k(data):
+    """Q4_K blocks for a [rows, 256 k] tensor. gguf-py has no Q4_K quantizer, but every block of
+    144 bytes (fp16 d and dmin, 12 bytes of 6-bit scales/mins, 128 bytes of 4-bit values) is a
+    valid Q4_K tensor: random blocks with finite scales, seeded."""
+    import gguf
+    import numpy as np
+
+    rows, cols = data.shape
+    assert cols % 256 == 0
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.array([0.01], np.float16).view(np.uint8)  # d
+    blocks[:, 2:4] = np.array([0.004], np.float16).view(np.uint8)  # dmin
+    return blocks.reshape(rows, cols // 256 * 144), gguf.GGMLQuantizationType.Q4_K
+
+
+def test_quantized_gguf_tensors_convert_to_their_dequantization(tmp_path, cache, monkeypatch):
+    """The README's claim: converted weights equal gguf.quants.dequantize of the GGUF tensors bit
+    for bit after bf16 rounding, for Q8_0, Q4_K and F32 tensors (written here, converted by the
+    real pipeline)."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    quantized = {"blk.0.attn_v.weight": _q8_0, "blk.1.ffn_gate.weight": _q8_0,
+                 "blk.0.ffn_down.weight": _q4_k, "blk.1.ffn_down.weight": _q4_k}
+    gguf_path, ref = _write_tiny_qwen2_gguf(tmp_path / "src", quantized, intermediate=256)
+    spec = _fake_spec(tmp_path, gguf_path.read_bytes())
+    monkeypatch.setitem(models.MODELS, "fake", spec)
+    path = models.fetch("fake", dtype="bfloat16")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    assert {n: tensors[n].tensor_type.name for n in quantized} == {
+        "blk.0.attn_v.weight": "Q8_0", "blk.1.ffn_gate.weight": "Q8_0",
+        "blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q4_K"}
+    hf = {"blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
+          "blk.1.ffn_gate.weight": "model.layers.1.mlp.gate_proj.weight",
+          "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+          "blk.1.ffn_down.weight": "model.layers.1.mlp.down_proj.weight",
+          "blk.1.attn_v.weight": "model.layers.1.self_attn.v_proj.weight"}  # F32
+    st = safe_open(str(path / "model.safetensors"), "pt")
+    for gname, hname in hf.items():
+        t = tensors[gname]
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
+        want = torch.from_numpy(np.ascontiguousarray(want)).to(torch.bfloat16)
+        got = st.get_tensor(hname)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), gname
+        assert want.abs().max() > 0, gname  # not an all-zero tensor compared with itself
 
 
 def test_wrong_sha_is_refused_and_wheels_dropped(tmp_path, cache, monkeypatch):

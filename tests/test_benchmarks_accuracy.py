@@ -1,0 +1,65 @@
+"""benchmarks/accuracy.py without a server: the GSM8K export and the failures it must raise
+instead of measuring something else (a private answer extractor, a missing eviction count)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed
+
+from benchmarks import accuracy as acc  # noqa: E402
+
+
+def test_gsm8k_answer_has_one_final_line():
+    # gsm_symbolic's chain of thought already ends with the final line
+    cot = "She bakes 63 / 7 = 9 sheets.\n#### 9"
+    assert acc.gsm8k_answer(cot, "9") == "She bakes 63 / 7 = 9 sheets.\n#### 9"
+    assert acc.gsm8k_answer("", "-698") == "#### -698"  # chain_sum has no chain
+    assert acc.gsm8k_answer("a = 2\nb = 3", "5") == "a = 2\nb = 3\n#### 5"
+    with pytest.raises(ValueError, match="#### 8"):
+        acc.gsm8k_answer("x\n#### 8", "9")  # a chain that contradicts its answer
+
+
+def test_export_gsm8k_from_reasoning_gym(tmp_path):
+    pytest.importorskip("reasoning_gym")
+    probs = acc.load_problems("gsm_symbolic", 4, 123)
+    assert all(p["cot"].rstrip().endswith("#### " + p["answer"]) for p in probs)  # as found
+    acc.export_gsm8k(probs, tmp_path / "g.jsonl")
+    rows = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for row, p in zip(rows, probs):
+        assert row["question"] == p["question"]
+        assert row["answer"].count("####") == 1, row["answer"]
+        assert row["answer"] == p["cot"].strip()  # the chain, ending with its one final line
+        # sglang.test.few_shot_gsm8k reads the number after "####"
+        assert row["answer"].rsplit("#### ", 1)[1] == p["answer"]
+
+
+def test_a_missing_eviction_count_is_an_error_not_zero():
+    assert acc._evicted_total(0) == 0
+    assert acc._evicted_total([[3, 5], [4, 1]]) == 5
+    with pytest.raises(RuntimeError, match="kv_evicted_tokens"):
+        acc._evicted_total(None)
+    with pytest.raises(RuntimeError, match="no number"):
+        acc._evicted_total([])
+    assert acc._recorded_evictions({"a": {"kv_evicted": 4}, "b": {"kv_evicted": 0}}) == [4, 0]
+    with pytest.raises(RuntimeError, match="'b'"):
+        acc._recorded_evictions({"a": {"kv_evicted": 4}, "b": {"kv_evicted": None}})
+
+
+def test_no_private_answer_extractor():
+    # Without vase_sglang.answers the harness must not start (it used to switch silently to
+    # its own extractor and prompt).
+    code = ("import sys; sys.modules['vase_sglang.answers'] = None; "
+            "sys.path.insert(0, '.'); import benchmarks.accuracy")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "vase_sglang.answers" in proc.stderr, proc.stderr[-2000:]
+    assert acc.PROMPT == "{q}\n" + acc._answers.ANSWER_INSTRUCTION
+    assert acc.extract_answer("so 3 + 4 = 7.\nFinal answer: 7") == "7"
