@@ -64,18 +64,32 @@ EVICT_SUM, EVICT_COUNT = "vase:eviction_seconds_sum", "vase:eviction_seconds_cou
 METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)(?: \d+)?$")
 
 
+DP_TAG = re.compile(r" DP(\d+)")  # data-parallel workers prefix their lines "[time DPk]"
+
+
 def decode_stats(log_text: str) -> dict:
-    """Running requests and KV tokens over the decode steps logged in `log_text`."""
-    rows = [(int(a), int(b)) for a, b in DECODE_LINE.findall(log_text)]
-    if not rows:
+    """Running requests and KV tokens over the decode steps logged in `log_text`. Under data
+    parallel each worker logs its own steps: the totals after each line add every worker's
+    latest figures."""
+    latest: dict[str, tuple[int, int]] = {}
+    totals = []
+    for line in log_text.splitlines():
+        m = DECODE_LINE.search(line)
+        if not m:
+            continue
+        tag = DP_TAG.search(line[: m.start()])
+        latest[tag.group(1) if tag else ""] = (int(m.group(1)), int(m.group(2)))
+        totals.append((sum(r for r, _ in latest.values()), sum(t for _, t in latest.values())))
+    if not totals:
         raise MissingMeasurement("no 'Decode batch' line in the server log: cannot tell how "
                                  "many requests ran (is --decode-log-interval 1 set?)")
-    running = [r for r, _ in rows]
+    running = [r for r, _ in totals]
     return {
         "peak_running": max(running),
         "mean_running": sum(running) / len(running),  # mean over decode steps
-        "peak_kv_tokens": max(t for _, t in rows),
-        "decode_steps": len(rows),
+        "peak_kv_tokens": max(t for _, t in totals),
+        "decode_steps": len(totals),
+        "workers": len(latest),
     }
 
 
@@ -214,11 +228,13 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path) -
                          teacher_forcing=False,
                          threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     evicting = "--kv-evict-policy" in server_args
+    # --max-total-tokens is per data-parallel worker; rows report the pool of all of them
+    workers = int(server_args[server_args.index("--dp-size") + 1]) if "--dp-size" in server_args else 1
     rows = []
     try:
         for c in args.concurrency:
             for rep in range(args.repeats):
-                row = {"arm": name, "pool": pool, "concurrency": c, "repeat": rep,
+                row = {"arm": name, "pool": pool * workers, "concurrency": c, "repeat": rep,
                        **measure_run(server, args, c, evicting)}
                 rows.append(row)
                 share = row["eviction_time_share"]
@@ -404,7 +420,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=192)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--arms", nargs="+", default=["full", "vase", "ceiling"],
-                    choices=["full", "vase", "ceiling"])
+                    choices=["full", "vase", "vase-dp2", "ceiling"],
+                    help="vase-dp2: the policy on two data-parallel workers (--dp-size 2), each "
+                    "with half the pool, so the total is N as in the other @N arms")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "results" / "concurrency"))
     ap.add_argument("--quiet-client", action="store_true", help="hide the client's progress bar")
@@ -432,6 +450,12 @@ def main(argv=None) -> int:
         for p in args.policies:
             arms.append((f"{p}@N", ["--kv-evict-policy", p, "--kv-evict-budget", str(args.budget),
                                     "--kv-evict-window", str(args.window)], n))
+    if "vase-dp2" in args.arms:
+        for p in args.policies:
+            # the pool flag is per worker: N/2 each, N in all
+            arms.append((f"{p}@N-dp2", ["--dp-size", "2", "--kv-evict-policy", p,
+                                         "--kv-evict-budget", str(args.budget),
+                                         "--kv-evict-window", str(args.window)], n // 2))
     if "ceiling" in args.arms:
         arms.append(("ceiling", [], ceiling_pool))
 

@@ -64,9 +64,21 @@ def test_decode_stats_parse_running_requests_and_fail_without_lines():
     log = "\n".join([PREFILL, decode_line(3, 400), decode_line(5, 700, it=12), PREFILL,
                      decode_line(4, 650, queue=2)])
     assert cs.decode_stats(log) == {"peak_running": 5, "mean_running": 4.0,
-                                    "peak_kv_tokens": 700, "decode_steps": 3}
+                                    "peak_kv_tokens": 700, "decode_steps": 3, "workers": 1}
     with pytest.raises(MissingMeasurement, match="Decode batch"):
         cs.decode_stats(PREFILL)  # used to report 0 running requests
+
+
+def test_decode_stats_add_data_parallel_workers():
+    """Under --dp-size each worker logs its own steps ("[time DPk] Decode batch, ..."): the
+    running requests of the server are the sum of every worker's latest figures."""
+    def tagged(rank, line):
+        return line.replace("] Decode batch", f" DP{rank}] Decode batch", 1)
+
+    log = "\n".join([tagged(0, decode_line(3, 300)), tagged(1, decode_line(2, 200)),
+                     tagged(0, decode_line(4, 350)), tagged(1, decode_line(1, 100))])
+    assert cs.decode_stats(log) == {"peak_running": 6, "mean_running": (3 + 5 + 6 + 5) / 4,
+                                    "peak_kv_tokens": 550, "decode_steps": 4, "workers": 2}
 
 
 def test_retractions_count_requests_not_lines():
