@@ -75,8 +75,11 @@ def after_post_pool(result, model_runner):
     )
     output.enable_in_scheduler()
     ring_mb = 0 if queries is None else queries.numel() * queries.element_size() / 2**20
+    workspace = runtime.RUNTIME.workspace
     logger.info(
-        "VaSE eviction on: %s (query ring %.1f MiB)", cfg, ring_mb,
+        "VaSE eviction on: %s (query ring %.1f MiB, step workspace %.1f MiB = %.1f MiB buffer "
+        "+ %.1f MiB for temporaries)", cfg, ring_mb, workspace.size / 2**20,
+        workspace.buffer_bytes / 2**20, workspace.headroom / 2**20,
     )
 
 
