@@ -82,6 +82,11 @@ class EvictionRuntime:
                                       device=k.device)
         if self.workspace is None:
             self.workspace = allocate_workspace(self.cfg, self.shapes, k.device)
+        if self.device_type == "cuda":
+            # The compaction kernel's pointer tables: one host copy now, none per step.
+            from vase_sglang.ops.compact import pointer_table
+
+            pointer_table(self.k_buffers, k.device), pointer_table(self.v_buffers, k.device)
         self._warned: set[int] = set()
 
     @property

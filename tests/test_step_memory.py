@@ -15,6 +15,8 @@ import torch
 from vase_sglang import EvictionConfig, select_tokens
 from vase_sglang.ops import compact_kv_reference_, planning_for
 from vase_sglang.policies import POLICIES, RKVPolicy, mean_cosine_to_others
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from vase_sglang.workspace import (KVShapes, PeakMemory, Workspace, chunk_cost, plan_chunks,
                                    trace_chunk)
 from vase_sglang_patches import runtime
@@ -216,3 +218,54 @@ def test_rkv_redundancy_equals_the_cosine_matrix_formula():
     importance = POLICIES["snapkv"](cfg).score(keys, None, queries, None)
     want = 0.5 * importance - 0.5 * torch.softmax(cos.mean(dim=-1), dim=-1)
     torch.testing.assert_close(policy.score(keys, None, queries, None), want, rtol=0, atol=1e-7)
+
+
+class _HostReads(TorchDispatchMode):
+    """Fails on what would stall the CPU on a GPU: a device value read on the host, or a
+    blocking host-to-device copy."""
+
+    READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_dim",
+             "aten::masked_select", "aten::item"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        assert name not in self.READS, f"{name} reads a device value on the host"
+        if name in ("aten::_to_copy", "aten::copy_"):
+            src = args[1] if name == "aten::copy_" else args[0]
+            dst = args[0].device if name == "aten::copy_" else kwargs.get("device", src.device)
+            if src.device.type == "cpu" and torch.device(dst).type != "cpu":
+                assert kwargs.get("non_blocking", args[2] if len(args) > 2 else False), (
+                    f"{name}: blocking host-to-device copy")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("policy", BUILT_IN)
+def test_step_makes_no_blocking_host_copies_and_reads_nothing_back(policy, monkeypatch):
+    """The whole step on meta tensors (a device value cannot be read on meta at all), with
+    torch.tensor / as_tensor of host data onto the device forbidden: those are synchronising
+    copies from pageable memory (the step stages through pinned buffers instead)."""
+    cfg = EvictionConfig(policy=policy, budget=40, window=8)
+    shape = dict(layers=3, kv_heads=2, q_heads=6, head_dim=16, dtype=torch.bfloat16)
+    shapes = KVShapes(2, 6, 16, torch.bfloat16, torch.bfloat16, 8)
+    rt, batch = _step(cfg, **shape, requests=5, device="meta",
+                      workspace=_meta_workspace(cfg, shapes, "cuda"))
+    rt.device_type = "cuda"
+    monkeypatch.setattr(runtime, "RUNTIME", rt)
+    runtime.step_cost(cfg, rt.shapes, cfg.budget, "cuda")  # plan traces are host-only
+    from vase_sglang.ops.compact import pointer_table
+
+    for buffers in (rt.k_buffers, rt.v_buffers):  # built at startup on CUDA (__post_init__)
+        pointer_table(buffers, torch.device("meta"))
+    for name in ("tensor", "as_tensor"):
+        make = getattr(torch, name)
+
+        def guarded(data, *args, _make=make, _name=name, **kwargs):
+            device = kwargs.get("device")
+            assert isinstance(data, torch.Tensor) or device is None or \
+                torch.device(device).type == "cpu", f"torch.{_name}(host data, device={device})"
+            return _make(data, *args, **kwargs)
+
+        monkeypatch.setattr(torch, name, guarded)
+    with planning_for("cuda"), _HostReads():
+        assert rt.evict(batch) == 5 * (cfg.budget - cfg.keep)
