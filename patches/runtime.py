@@ -12,6 +12,11 @@ n + window tokens with n >= budget:
      the K kept slots, and the other n - K candidate slots go back to the allocator;
   5. the request's KV lengths, the batch's seq_lens and the RoPE position offset are updated.
 
+Steps 2-3 stream over chunks of requests x layers inside a workspace reserved at startup, so a
+step's extra memory is bounded (vase_sglang/workspace.py, docs/memory.md). Nothing in the step
+reads a device value on the host or copies from pageable memory: host ids are staged through
+pinned buffers with non-blocking copies.
+
 Row layout before and after (P = tree-owned prefix, never touched):
     [0, P) prefix | [P, P+n) candidates            | [P+n, P+n+R) newest R
     [0, P) prefix | [P, P+K) kept (mixed per head) | [P+K, P+K+R) newest R   (same slots)
@@ -179,7 +184,7 @@ class EvictionRuntime:
         )
         # Stream over chunks of requests and, inside, chunks of layers, so the gathers and
         # score temporaries stay inside the workspace (vase_sglang/workspace.py).
-        b_chunk, l_chunk = self._plan(cfg, n, sinks, len(reqs))
+        b_chunk, l_chunk = self._plan(cfg, n, len(reqs))
         k = None
         for r0 in range(0, len(reqs), b_chunk):
             part = slice(r0, r0 + b_chunk)
@@ -240,7 +245,7 @@ class EvictionRuntime:
             self.allocator.free(slots[:, k:].reshape(-1))
         return k
 
-    def _plan(self, cfg, n, sinks, num_requests) -> tuple[int, int]:
+    def _plan(self, cfg, n, num_requests) -> tuple[int, int]:
         """(requests, layers) per chunk for this group, from the workspace size (arithmetic
         on a cost model measured once per (config, n) on meta tensors)."""
         cost = step_cost(cfg, self.shapes, n, self.device_type)

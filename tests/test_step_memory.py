@@ -192,7 +192,7 @@ def test_chunked_step_equals_the_unchunked_one(policy, monkeypatch):
     cost = runtime.step_cost(cfg, rt.shapes, cfg.budget, "cpu")
     rt.workspace = Workspace(torch.empty(cost.buffer(2, 1), dtype=torch.uint8),
                              runtime.group_bytes(5) + cost.temporaries(2, 1))
-    assert rt._plan(cfg, cfg.budget, 0, 5) == (2, 1)  # 3 request chunks x 3 layer chunks
+    assert rt._plan(cfg, cfg.budget, 5) == (2, 1)  # 3 request chunks x 3 layer chunks
     rt.evict(batch)
     assert rt.workspace.overflows == 0
     for got, want in zip(rt.k_buffers + rt.v_buffers, expected[0] + expected[1]):
