@@ -1,18 +1,27 @@
-"""Hooks on sglang.srt.mem_cache.kv_cache_configurator: reserve the query ring's memory before
-the KV pool is sized from the free memory (else the ring could push a full pool out of memory,
-the failure R-KV's port hit with its query buffer), and keep the ring a modest share of memory.
+"""Hooks on sglang.srt.mem_cache.kv_cache_configurator: reserve the eviction step's workspace
+and the query ring's memory before the KV pool is sized from the free memory (else either could
+push a full pool out of memory, the failure R-KV's port hit with its query buffer), and size
+the ring with the pool, not beside it.
+
+The workspace (vase_sglang/workspace.py, docs/memory.md) bounds one eviction step: a buffer for
+the gathered K/V and window queries plus headroom for the score temporaries; its size is logged
+and set by --kv-evict-workspace-mb.
 
 The ring holds the last `window` post-RoPE queries of every request row: per row
 layers x window x q_heads x head_dim elements, often as much as the request's whole KV budget
-(GQA models have several query heads per KV head). SGLang sizes its request table at 2048-4096
-rows when --max-running-requests is unset, which for a 0.5B model with window 64 would be
-5+ GB. So without an explicit --max-running-requests the ring gets at most RING_SHARE of the
-free memory, and SGLang's max_running_requests is capped to the rows that fit.
+(GQA models have several query heads per KV head). Rows beyond what the pool can run are
+memory taken from the pool, so without an explicit --max-running-requests the rows are solved
+together with the pool: with A bytes available, a ring row costing r bytes and a request
+charged c tokens of b bytes by admission (admission.charge_len),
+    (cap + 1) r + cap c b <= A   =>   cap = (A - r) // (c b + r)
+(SGLang's request table has cap + 1 rows), and SGLang's max_running_requests is capped to it.
 """
 
 from __future__ import annotations
 
 import logging
+
+import torch
 
 from vase_sglang.policies import POLICIES
 
@@ -26,7 +35,6 @@ TARGET_MAX_NUM_REQS = (
 )
 # SGLang sizes its request table at most this many rows when --max-running-requests is unset.
 DEFAULT_MAX_ROWS = 4096
-RING_SHARE = 0.15  # of the memory left for the KV pool, when --max-running-requests is unset
 
 _row_cap: int | None = None  # max running requests the reserved ring can serve (this process)
 
@@ -47,14 +55,32 @@ def ring_bytes(num_layers: int, rows: int, window: int, num_q_heads: int, head_d
     return num_layers * rows * window * num_q_heads * head_dim * element_size
 
 
-def ring_rows(available: int, per_row: int, requested: int | None) -> tuple[int, int | None]:
+def ring_rows(available: int, per_row: int, requested: int | None, tokens_per_request: int,
+              kv_bytes_per_token: int, max_pool_tokens: int | None = None
+              ) -> tuple[int, int | None]:
     """(rows to reserve, cap on max_running_requests or None). One extra row: SGLang's request
-    table has max_running_requests + 1 rows."""
+    table has max_running_requests + 1 rows. Unrequested, the rows are as many as the pool
+    left beside them holds requests of `tokens_per_request` tokens (closed form above), and no
+    more than a pool capped at --max-total-tokens holds."""
     if requested:
         return requested + 1, None
-    fit = int(available * RING_SHARE) // max(1, per_row)
-    cap = max(1, min(DEFAULT_MAX_ROWS, fit - 1))
+    per_request = tokens_per_request * kv_bytes_per_token + per_row
+    cap = (available - per_row) // max(1, per_request)
+    if max_pool_tokens:
+        cap = min(cap, max_pool_tokens // max(1, tokens_per_request))
+    cap = max(1, min(DEFAULT_MAX_ROWS, cap))
     return cap + 1, (cap if cap < DEFAULT_MAX_ROWS else None)
+
+
+def kv_shapes(layers, kv_dtype: torch.dtype, window: int, model_dtype: torch.dtype | None = None):
+    """The KVShapes of an eviction step from the model's attention layers; the ring has the
+    dtype after_post_pool allocates it with (query_ring_dtype)."""
+    from vase_sglang.workspace import KVShapes
+
+    ring_dtype = query_ring_dtype(kv_dtype, model_dtype or torch.bfloat16)
+    return KVShapes(kv_heads=layers[0].tp_k_head_num, q_heads=layers[0].tp_q_head_num,
+                    head_dim=layers[0].qk_head_dim, kv_dtype=kv_dtype, q_dtype=ring_dtype,
+                    ring_window=window)
 
 
 def around_profile(original, self, *args, **kwargs):
@@ -62,29 +88,48 @@ def around_profile(original, self, *args, **kwargs):
     available = original(self, *args, **kwargs)
     from sglang.srt.runtime_context import get_schedule
 
+    from .admission import charge_len
     from .model_runner import _attention_layers
+    from .runtime import workspace_bytes
     from .settings import config_from_env
 
     cfg = config_from_env()
-    if cfg is None or not cfg.evicts or not POLICIES[cfg.policy].needs_queries or self.is_draft_worker:
+    if cfg is None or not cfg.evicts or self.is_draft_worker:
         return available
     layers = _attention_layers(self.model)
     if not layers:
         return available
+    shapes = kv_shapes(layers, self.kv_cache_dtype, cfg.window, self.model_dtype)
+    buffer, headroom, units = workspace_bytes(cfg, shapes, torch.device(self.device).type)
+    available -= buffer + headroom
+    logger.info(
+        "VaSE eviction workspace: reserving %.1f MiB (%.1f MiB buffer for gathered K/V and "
+        "queries, %.1f MiB for score temporaries; %d requests x 1 layer per chunk at budget %d)%s",
+        (buffer + headroom) / 2**20, buffer / 2**20, headroom / 2**20, units, cfg.budget,
+        "" if cfg.workspace_mb else "; set --kv-evict-workspace-mb to choose",
+    )
+    if not POLICIES[cfg.policy].needs_queries:
+        return available
+    kv_per_token = len(layers) * 2 * shapes.kv_heads * shapes.head_dim * shapes.kv_dtype.itemsize
+    # The extend capture keeps one int64 ring row per pool token (EvictionRuntime.token_rows):
+    # take its share of the bytes left, as the pool takes the rest.
+    available -= available * 8 // (kv_per_token + 8)
     requested = get_schedule().max_running_requests
     if requested:
         requested = max(1, requested // max(1, self.attn_dp_size))
-    dtype = query_ring_dtype(self.kv_cache_dtype, self.model_dtype)
-    per_row = ring_bytes(len(layers), 1, cfg.window, layers[0].tp_q_head_num,
-                         layers[0].qk_head_dim, dtype.itemsize)
-    rows, _row_cap = ring_rows(available, per_row, requested)
+    dtype = shapes.q_dtype
+    per_row = ring_bytes(len(layers), 1, cfg.window, shapes.q_heads, shapes.head_dim,
+                         dtype.itemsize)
+    rows, _row_cap = ring_rows(available, per_row, requested, charge_len(cfg), kv_per_token,
+                               get_schedule().max_total_tokens)
     reserve = rows * per_row
     logger.info(
         "VaSE query ring: reserving %.1f MiB (%d bytes of %s) for %d request rows%s",
         reserve / 2**20, reserve, dtype, rows,
         "" if requested else
-        (f" ({RING_SHARE:.0%} of free memory: max running requests capped to {_row_cap}; "
-         "set --max-running-requests to choose)" if _row_cap else ""),
+        (f" (what the pool beside it holds at {charge_len(cfg)} tokens a request: max running "
+         f"requests capped to {_row_cap}; set --max-running-requests to choose)"
+         if _row_cap else ""),
     )
     return available - reserve
 

@@ -169,11 +169,14 @@ def after_post_pool(result, model_runner):
     output.enable_in_scheduler()
     ring = 0 if queries is None else queries.numel() * queries.element_size()
     rows_mb = 0 if token_rows is None else token_rows.numel() * token_rows.element_size() / 2**20
+    workspace = runtime.RUNTIME.workspace
     logger.info(
         "VaSE eviction on: %s (query ring %.1f MiB = %d bytes of %s, token rows %.1f MiB; "
+        "step workspace %.1f MiB = %.1f MiB buffer + %.1f MiB for temporaries; "
         "KV heads from %d; %s)",
-        cfg, ring / 2**20, ring, None if queries is None else queries.dtype, rows_mb, head_offset,
-        attention,
+        cfg, ring / 2**20, ring, None if queries is None else queries.dtype, rows_mb,
+        workspace.size / 2**20, workspace.buffer_bytes / 2**20, workspace.headroom / 2**20,
+        head_offset, attention,
     )
 
 

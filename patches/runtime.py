@@ -12,6 +12,11 @@ n + window tokens with n >= budget:
      the K kept slots, and the other n - K candidate slots go back to the allocator;
   5. the request's KV lengths, the batch's seq_lens and the RoPE position offset are updated.
 
+Steps 2-3 stream over chunks of requests x layers inside a workspace reserved at startup, so a
+step's extra memory is bounded (vase_sglang/workspace.py, docs/memory.md). Nothing in the step
+reads a device value on the host or copies from pageable memory: host ids are staged through
+pinned buffers with non-blocking copies.
+
 Row layout before and after (P = tree-owned prefix, never touched):
     [0, P) prefix | [P, P+n) candidates            | [P+n, P+n+R) newest R
     [0, P) prefix | [P, P+K) kept (mixed per head) | [P+K, P+K+R) newest R   (same slots)
@@ -19,16 +24,19 @@ Row layout before and after (P = tree-owned prefix, never touched):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
 
 import torch
 
-from vase_sglang import EvictionConfig, capture, select_tokens
-from vase_sglang.ops import compact_kv_
+from vase_sglang import EvictionConfig, capture
 from vase_sglang.policies import POLICIES, AttentionParams
+from vase_sglang.workspace import (ChunkCost, KVShapes, Workspace, chunk_cost, evict_chunk,
+                                   plan_chunks, size_workspace)
 
 from . import metrics, request_control
 
@@ -62,12 +70,34 @@ class EvictionRuntime:
     head_dim: int
     start_layer: int
     queries: torch.Tensor | None  # ring [layers, rows, window, H_q, D] of post-RoPE queries
+    workspace: Workspace | None = None  # gathers of a step; None: sized for this server now
     stats: EvictionStats = field(default_factory=EvictionStats)
     attention: AttentionParams = AttentionParams()  # the model's logit scaling and soft-cap
     kv_head_offset: int = 0  # global index of this rank's first KV head (tensor parallel)
     # Ring row of each token of the current extend batch (SCRATCH_ROW where not kept); a
     # persistent buffer because recorded prefill graphs read it (vase_sglang.capture).
     token_rows: torch.Tensor | None = None
+
+    def __post_init__(self):
+        k = self.k_buffers[0]
+        ring = self.queries
+        self.shapes = KVShapes(
+            kv_heads=k.shape[1], q_heads=self.num_q_heads, head_dim=self.head_dim,
+            kv_dtype=k.dtype, q_dtype=ring.dtype if ring is not None else k.dtype,
+            ring_window=ring.shape[2] if ring is not None else self.cfg.window,
+        )
+        self.device_type = k.device.type  # the device the step's memory is planned for
+        # Global layer ids key the draws; built once (a device arange, no host copy).
+        self.layer_ids = torch.arange(self.start_layer, self.start_layer + self.num_layers,
+                                      device=k.device)
+        if self.workspace is None:
+            self.workspace = allocate_workspace(self.cfg, self.shapes, k.device)
+        if self.device_type == "cuda":
+            # The compaction kernel's pointer tables: one host copy now, none per step.
+            from vase_sglang.ops.compact import pointer_table
+
+            pointer_table(self.k_buffers, k.device), pointer_table(self.v_buffers, k.device)
+        self._warned: set[int] = set()
 
     @property
     def num_layers(self) -> int:
@@ -127,57 +157,50 @@ class EvictionRuntime:
         if not groups:
             return 0
         start = time.perf_counter()
-        freed = []
+        freed = 0
         new_lens = {}
         evictions, tokens = self.stats.evictions, self.stats.tokens_evicted
         for (cfg, n, sinks), members in groups.items():
-            freed.append(self._evict_group(batch, cfg, members, n, sinks, new_lens))
-        slots = torch.cat(freed)
-        self.allocator.free(slots)
+            freed += self._evict_group(batch, cfg, members, n, sinks, new_lens)
         self._update_batch_lengths(batch, new_lens)
         batch.batch_is_full = False  # admission was closed on a full pool; it has room now
         elapsed = time.perf_counter() - start
         self.stats.seconds += elapsed
-        self.stats.slots_freed += int(slots.numel())
+        self.stats.slots_freed += freed
         if metrics.METRICS is not None:
             metrics.METRICS.record(self.stats.evictions - evictions,
-                                   self.stats.tokens_evicted - tokens, int(slots.numel()), elapsed)
+                                   self.stats.tokens_evicted - tokens, freed, elapsed)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "evicted %d requests, freed %d slots in %.2f ms: %s",
-                len(new_lens), slots.numel(), elapsed * 1e3,
+                len(new_lens), freed, elapsed * 1e3,
                 ", ".join(f"{batch.reqs[i].rid}: kv {n}" for i, n in new_lens.items()),
             )
-        return int(slots.numel())
+        return freed
 
-    def _evict_group(self, batch, cfg, members, n, sinks, new_lens) -> torch.Tensor:
+    def _evict_group(self, batch, cfg, members, n, sinks, new_lens) -> int:
+        """Evict one group; returns the slots freed (a host count: nothing is read back)."""
         reqs = [batch.reqs[i] for i in members]
-        device = self.req_to_token.device
-        rows = torch.tensor([r.kv.req_pool_idx for r in reqs], device=device, dtype=torch.int64)
-        starts = torch.tensor([r.kv.cache_protected_len for r in reqs], device=device)
-        cols = starts[:, None] + torch.arange(n + cfg.window, device=device)
-        row_slots = self.req_to_token[rows[:, None], cols].long()  # [B, n + R]
-        slots, newest = row_slots[:, :n], row_slots[:, n:]
-
-        policy = POLICIES[cfg.policy]
-        keys, values = self._gather_kv(slots, policy.reads_kv)
-        queries = None
-        if policy.needs_queries:
-            queries = self._window_queries(reqs, rows, cfg.window)  # [B, L, H_q, W, D]
-        request = torch.tensor([_request_key(r) for r in reqs], device=device)
-        rounds = torch.tensor([getattr(r, ROUNDS, 0) for r in reqs], device=device)
-        layers = torch.arange(self.start_layer, self.start_layer + self.num_layers, device=device)
-        keep = select_tokens(
-            cfg, keys, values, queries,
-            request=request[:, None], layer=layers[None, :], round=rounds[:, None],
-            sinks=sinks, check=False, attention=self.attention, head_offset=self.kv_head_offset,
+        rows, starts, request, rounds, first_query = self._stage(
+            [r.kv.req_pool_idx for r in reqs],
+            [r.kv.cache_protected_len for r in reqs],
+            [_request_key(r) for r in reqs],
+            [getattr(r, ROUNDS, 0) for r in reqs],
+            # True length L: the newest query written is at position L - 1.
+            [r.kv.kv_allocated_len + getattr(r, OFFSET, 0) - cfg.window for r in reqs],
         )
-        compact_kv_(self.k_buffers, self.v_buffers, slots, keep, ascending=policy.ascending)
-
-        k = keep.shape[-1]  # cfg.keep for the built-in policies; a custom one may keep all
-        self.req_to_token[rows[:, None], starts[:, None] + k + torch.arange(cfg.window, device=device)] = (
-            newest.to(self.req_to_token.dtype)
-        )
+        # Stream over chunks of requests and, inside, chunks of layers, so the gathers and
+        # score temporaries stay inside the workspace (vase_sglang/workspace.py).
+        b_chunk, l_chunk = self._plan(cfg, n, len(reqs))
+        k = None
+        for r0 in range(0, len(reqs), b_chunk):
+            part = slice(r0, r0 + b_chunk)
+            kept = self._evict_requests(cfg, n, sinks, l_chunk, rows[part], starts[part],
+                                        request[part], rounds[part], first_query[part])
+            if k is not None and kept != k:
+                raise ValueError(f"policy {cfg.policy!r}: kept {kept} tokens in one chunk, {k} "
+                                 "in another")
+            k = kept
         dropped = n - k
         if dropped:
             self.stats.tokens_evicted += dropped * len(reqs)
@@ -195,32 +218,78 @@ class EvictionRuntime:
                 req.skip_radix_cache_insert = True
             new_lens[i] = kv.kv_allocated_len
         self.stats.evictions += len(reqs)
-        return slots[:, k:].reshape(-1)
+        return dropped * len(reqs)
 
-    def _window_queries(self, reqs, rows: torch.Tensor, window: int) -> torch.Tensor:
-        """The last `window` (<= the ring's size) queries of each request, in the order a ring
-        of exactly `window` entries would hold them (position % window), so a per-request
-        window reproduces a server started with that window bit for bit."""
+    def _evict_requests(self, cfg, n, sinks, l_chunk, rows, starts, request, rounds,
+                        first_query) -> int:
+        """Every layer of a chunk of requests, l_chunk layers at a time; rewrites their rows
+        and frees their dropped slots (device-only: the allocator's free is a torch.cat on
+        page size 1). Returns how many candidates each request kept."""
+        device = self.req_to_token.device
+        cols = starts[:, None] + torch.arange(n + cfg.window, device=device)
+        row_slots = self.req_to_token[rows[:, None], cols].long()  # [b, n + R]
+        slots, newest = row_slots[:, :n], row_slots[:, n:]
+        ring_index = None
+        if POLICIES[cfg.policy].needs_queries:
+            ring_index = (rows[:, None], self._ring_entries(first_query, cfg.window))
+        k = None
+        for first in range(0, self.num_layers, l_chunk):
+            keep = None  # the previous chunk's selection is dead: free it before the next
+            keep = evict_chunk(
+                cfg, self.k_buffers, self.v_buffers, self.queries, self.workspace,
+                first_layer=first, num_layers=min(l_chunk, self.num_layers - first),
+                layer_ids=self.layer_ids, slots=slots, ring_index=ring_index,
+                request=request, rounds=rounds, sinks=sinks,
+                attention=self.attention, head_offset=self.kv_head_offset,
+            )
+            if k is not None and keep.shape[-1] != k:
+                raise ValueError(f"policy {cfg.policy!r}: kept {keep.shape[-1]} tokens in one "
+                                 f"chunk of layers, {k} in another")
+            k = keep.shape[-1]  # cfg.keep for the built-in policies; a custom one may keep all
+        self.req_to_token[rows[:, None], starts[:, None] + k + torch.arange(cfg.window, device=device)] = (
+            newest.to(self.req_to_token.dtype)
+        )
+        if k < n:
+            self.allocator.free(slots[:, k:].reshape(-1))
+        return k
+
+    def _plan(self, cfg, n, num_requests) -> tuple[int, int]:
+        """(requests, layers) per chunk for this group, from the workspace size (arithmetic
+        on a cost model measured once per (config, n) on meta tensors)."""
+        cost = step_cost(cfg, self.shapes, n, self.device_type)
+        headroom = self.workspace.headroom - group_bytes(num_requests)
+        plan = plan_chunks(cost, num_requests, self.num_layers, self.workspace.buffer_bytes, headroom)
+        if plan is None:
+            # A request larger than the workspace was sized for (a per-request budget above
+            # the server's, or a first eviction of a long private prompt): one unit at a time.
+            need = cost.buffer(1, 1) + cost.temporaries(1, 1)
+            if need not in self._warned:
+                self._warned.add(need)
+                logger.warning(
+                    "eviction step with %d candidates needs %.1f MiB per (request, layer), more "
+                    "than the %.1f MiB workspace: running it one unit at a time, outside the "
+                    "workspace; raise --kv-evict-workspace-mb", n, need / 2**20,
+                    self.workspace.size / 2**20)
+            return 1, 1
+        return plan
+
+    def _stage(self, *columns: list[int]) -> tuple[torch.Tensor, ...]:
+        """Host ints -> int64 device rows, through one pinned buffer and a non-blocking copy:
+        a pageable copy would block the CPU on the forward in flight (overlap scheduler)."""
+        host = torch.tensor(columns, dtype=torch.int64, pin_memory=_pinned(self.req_to_token.device))
+        return tuple(host.to(self.req_to_token.device, non_blocking=True).unbind(0))
+
+    def _ring_entries(self, first: torch.Tensor, window: int) -> torch.Tensor:
+        """[B, W] ring entries of the last `window` (<= the ring's size) queries of each
+        request, in the order a ring of exactly `window` entries would hold them
+        (position % window), so a per-request window reproduces a server started with that
+        window bit for bit. first: the position of the oldest of them."""
         ring_size = self.queries.shape[2]
+        j = torch.arange(window, device=first.device)
         if window == ring_size:
-            return self.queries[:, rows].permute(1, 0, 3, 2, 4)
-        # True length L: the newest query written is at position L - 1.
-        first = torch.tensor([r.kv.kv_allocated_len + getattr(r, OFFSET, 0) - window for r in reqs],
-                             device=rows.device)
-        j = torch.arange(window, device=rows.device)
+            return j.expand(first.shape[0], window)
         positions = first[:, None] + (j[None, :] - first[:, None]) % window  # p = j (mod window)
-        picked = self.queries[:, rows[:, None], positions % ring_size]  # [L, B, W, H_q, D]
-        return picked.permute(1, 0, 3, 2, 4)
-
-    def _gather_kv(self, slots: torch.Tensor, reads_kv: bool):
-        b, n = slots.shape
-        h, d = self.k_buffers[0].shape[1], self.k_buffers[0].shape[2]
-        if not reads_kv:  # random / streaming: shapes only, no copy
-            dummy = torch.zeros((), device=slots.device).expand(b, self.num_layers, h, n, d)
-            return dummy, dummy
-        keys = torch.stack([buf[slots] for buf in self.k_buffers], dim=1).transpose(2, 3)
-        values = torch.stack([buf[slots] for buf in self.v_buffers], dim=1).transpose(2, 3)
-        return keys, values
+        return positions % ring_size
 
     @staticmethod
     def _update_batch_lengths(batch, new_lens: dict[int, int]) -> None:
@@ -232,12 +301,64 @@ class EvictionRuntime:
         seq_lens_cpu[idx] = torch.tensor(lens, dtype=seq_lens_cpu.dtype)
         delta = batch.seq_lens_cpu - seq_lens_cpu
         batch.seq_lens_cpu = seq_lens_cpu
-        batch.seq_lens = batch.seq_lens - delta.to(batch.seq_lens.device, batch.seq_lens.dtype)
+        batch.seq_lens = batch.seq_lens - _to_device(delta, batch.seq_lens)
         if getattr(batch, "orig_seq_lens", None) is not None:
-            batch.orig_seq_lens = batch.orig_seq_lens - delta.to(
-                batch.orig_seq_lens.device, batch.orig_seq_lens.dtype
-            )
+            batch.orig_seq_lens = batch.orig_seq_lens - _to_device(delta, batch.orig_seq_lens)
         batch.seq_lens_sum = None
+
+
+def _pinned(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _to_device(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A host tensor on `like`'s device and dtype without blocking the CPU (pinned staging)."""
+    host = host.to(like.dtype)
+    if _pinned(like.device):
+        host = host.pin_memory()
+    return host.to(like.device, non_blocking=True)
+
+
+def group_bytes(num_requests: int) -> int:
+    """Device memory a group holds across all its chunks: the staged ids [5, B] int64."""
+    return 4096 + num_requests * 5 * 8
+
+
+def request_bytes(n: int, window: int) -> int:
+    """Device temporaries per request of a chunk outside the chunk stage: its row's columns
+    and slots (int32 gather, then int64), the ring entries, the rewritten window and the
+    freed slots (an upper bound; tests/test_step_memory.py checks the whole step)."""
+    return (n + window) * (8 + 4 + 8) + window * 8 * 4 + window * (8 + 4) + n * 8
+
+
+def step_cost(cfg, shapes, n, device_type) -> ChunkCost:
+    """The chunk stage's measured cost plus what each request of a chunk holds around it."""
+    cost = chunk_cost(cfg, shapes, n, device_type)
+    return dataclasses.replace(cost, per_request=cost.per_request + request_bytes(n, cfg.window))
+
+
+def workspace_bytes(cfg: EvictionConfig, shapes: KVShapes, device_type: str,
+                    max_requests: int = 4096) -> tuple[int, int, int]:
+    """(buffer bytes, headroom bytes, requests per chunk) of this server's eviction workspace,
+    sized for its own step (n = budget candidates, every sink): DEFAULT_UNITS requests of one
+    layer per chunk, or what --kv-evict-workspace-mb holds. `max_requests` bounds the group
+    (its staged ids). Raises ValueError naming the flag if not even one unit fits."""
+    cost = step_cost(cfg, shapes, cfg.budget, device_type)
+    group = group_bytes(max_requests)
+    requested = None if cfg.workspace_mb is None else cfg.workspace_mb * 2**20 - group
+    buffer, temps, units = size_workspace(cost, requested)
+    if units < 1:
+        need = cost.buffer(1, 1) + cost.temporaries(1, 1) + group
+        raise ValueError(
+            f"--kv-evict-workspace-mb: {cfg.workspace_mb} MiB cannot hold one (request, layer) "
+            f"unit of an eviction step ({need / 2**20:.1f} MiB for {cfg.policy} at budget "
+            f"{cfg.budget}); set at least {math.ceil(need / 2**20)}")
+    return buffer, temps + group, units
+
+
+def allocate_workspace(cfg, shapes, device, max_requests: int = 4096) -> Workspace:
+    buffer, headroom, _units = workspace_bytes(cfg, shapes, torch.device(device).type, max_requests)
+    return Workspace(torch.empty(buffer, dtype=torch.uint8, device=device), headroom)
 
 
 def _add_to_group(groups, cfg, req, i, private) -> None:

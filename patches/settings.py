@@ -4,7 +4,8 @@ SGLang spawns its scheduler processes, and `sgl.Engine(**kwargs)` only accepts r
 fields, so the canonical channel is the environment (inherited by spawned children):
 
     VASE_KV_EVICT_POLICY, VASE_KV_EVICT_BUDGET, VASE_KV_EVICT_WINDOW,
-    VASE_KV_EVICT_VALUE_SLOTS, VASE_KV_EVICT_SINKS, VASE_KV_EVICT_SEED
+    VASE_KV_EVICT_VALUE_SLOTS, VASE_KV_EVICT_SINKS, VASE_KV_EVICT_SEED,
+    VASE_KV_EVICT_WORKSPACE_MB
 
 VASE_KV_EVICT_PLUGINS (comma-separated modules) is imported first in every process, so
 policies registered there with `vase_sglang.register_policy` can be named.
@@ -31,6 +32,10 @@ FLAGS = {
                     "ranges. Default budget/4."),
     "sinks": ("sinks", int, "First tokens of the sequence always kept. Default 4."),
     "seed": ("seed", int, "Seed of the stochastic policies. Default 0."),
+    "workspace-mb": ("workspace_mb", int, "MiB reserved at startup for one eviction step "
+                     "(gathered K/V and score temporaries; the step is chunked over layers and "
+                     "requests to stay inside it). Default: sized for 64 requests of one layer "
+                     "at the configured budget; the size is logged at startup."),
 }
 
 

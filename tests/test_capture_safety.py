@@ -217,8 +217,10 @@ def make_runtime(capacity=512, queries=None, token_rows=None):
     from vase_sglang_patches.runtime import EvictionRuntime
 
     cfg = EvictionConfig(policy="vase-attnv", budget=32, window=WINDOW)
+    # Small real KV buffers: the runtime sizes its step workspace from them at construction.
+    kv = [torch.zeros(8, 1, DIM) for _ in range(LAYERS)]
     rt = EvictionRuntime(
-        cfg=cfg, k_buffers=[None] * LAYERS, v_buffers=[None] * LAYERS, req_to_token=None,
+        cfg=cfg, k_buffers=kv, v_buffers=kv, req_to_token=None,
         allocator=None, num_q_heads=HEADS, head_dim=DIM, start_layer=0,
         queries=torch.randn(LAYERS, ROWS, WINDOW, HEADS, DIM) if queries is None else queries,
     )
@@ -235,8 +237,10 @@ def test_runtime_capture_queries_is_capturable(mode):
     b = extend_batch(gen, 4)
     bucket = b.tokens + 9 if mode is Mode.EXTEND else 8
 
+    rt = make_runtime()  # built outside the check: only the forward-path call is under it
+
     def forward_layer(queries, token_rows, q, rows, lens, seq_lens, positions):
-        rt = make_runtime(queries=queries, token_rows=token_rows)
+        rt.queries, rt.token_rows = queries, token_rows
         fb = SimpleNamespace(forward_mode=mode, req_pool_indices=rows, extend_seq_lens=lens,
                              seq_lens=seq_lens, positions=positions)
         rt.capture_queries(1, q, fb)

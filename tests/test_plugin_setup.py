@@ -74,15 +74,29 @@ def test_offline_engine_evicts_with_environment_settings(tiny_model, tmp_path):
         assert length == 120 and evicted == 80
 
 
-def test_query_ring_rows_are_a_share_of_memory_unless_requested():
-    from vase_sglang_patches.memory import DEFAULT_MAX_ROWS, RING_SHARE, ring_bytes, ring_rows
+def test_query_ring_rows_are_what_the_pool_beside_them_can_run():
+    from vase_sglang_patches.admission import charge_len
+    from vase_sglang import EvictionConfig
+    from vase_sglang_patches.memory import DEFAULT_MAX_ROWS, ring_bytes, ring_rows
 
-    # Qwen2.5-0.5B shapes, window 64, bf16: ~2.75 MB per request row.
+    # The case: Qwen2.5-0.5B shapes, window 64, bf16 (~2.75 MB per ring row) and
+    # budget 128; 2 GiB to share between the ring and a pool of 12 KiB per token.
+    cfg = EvictionConfig(policy="snapkv", budget=128, window=64)
     per_row = ring_bytes(24, 1, 64, 14, 64, 2)
-    available = 8 * 2**30
-    rows, cap = ring_rows(available, per_row, None)
-    assert cap == rows - 1 and rows * per_row <= RING_SHARE * available < (rows + 1) * per_row
+    per_token = 24 * 2 * 2 * 64 * 2
+    available = 2 * 2**30
+    rows, cap = ring_rows(available, per_row, None, charge_len(cfg), per_token)
+    assert cap == rows - 1
+    # The ring's rows and the pool left beside them serve the same number of requests:
+    # the pool holds `cap` requests at admission's charge, and not one more row fits.
+    pool = available - rows * per_row
+    assert cap <= pool // (charge_len(cfg) * per_token) < cap + 2
+    assert (rows + 1) * per_row + (cap + 1) * charge_len(cfg) * per_token > available
+    # The server: a pool capped at 2,048 tokens runs 12 requests at budget 128, and
+    # the ring gets 13 rows (~36 MB), not the old fixed 15 % share (2 GiB / 13 GiB free).
+    rows, cap = ring_rows(13 * 2**30, per_row, None, charge_len(cfg), per_token, 2048)
+    assert (rows, cap) == (13, 12)
     # An explicit --max-running-requests is served as asked, uncapped.
-    assert ring_rows(available, per_row, 2048) == (2049, None)
-    # A small ring: SGLang's own default table size, no cap.
-    assert ring_rows(available, 1024, None) == (DEFAULT_MAX_ROWS + 1, None)
+    assert ring_rows(available, per_row, 2048, charge_len(cfg), per_token) == (2049, None)
+    # A small ring on a big pool: SGLang's own default table size, no cap.
+    assert ring_rows(2**40, 1024, None, 1, 1) == (DEFAULT_MAX_ROWS + 1, None)

@@ -9,6 +9,9 @@ Vocabulary (kept identical in the SGLang flags `--kv-evict-*`):
                    default T/4 as in every official VaSE script.
   sinks         first tokens of the sequence that are always kept.
   seed          base of every random draw; draws are keyed by (seed, request, layer, round).
+  workspace_mb  memory an engine reserves for one eviction step (gathered K/V, score
+                temporaries); None = sized for the configured step (docs/memory.md). A server
+                setting: it changes how a step is chunked, never what it selects.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class EvictionConfig:
     pool_kernel: int = 5  # avg-pool width along the key axis (odd; 1 disables smoothing)
     projection_rank: int = 20  # r of the Gaussian projection of the CUR policies
     rkv_lambda: float = 0.5  # R-KV mix: lambda*importance - (1-lambda)*redundancy
+    workspace_mb: int | None = None  # eviction step workspace (engines); None = default size
 
     def __post_init__(self):
         from .policies import POLICIES  # registry: built-ins plus register_policy()
@@ -75,6 +79,11 @@ class EvictionConfig:
             raise ValueError(f"temperature: must be a finite number > 0, got {self.temperature!r}")
         if not (isinstance(self.rkv_lambda, (int, float)) and 0.0 <= self.rkv_lambda <= 1.0):
             raise ValueError(f"rkv_lambda: must be in [0, 1], got {self.rkv_lambda!r}")
+        if self.workspace_mb is not None and (
+            isinstance(self.workspace_mb, bool) or not isinstance(self.workspace_mb, int)
+            or self.workspace_mb < 1
+        ):
+            raise ValueError(f"workspace_mb: must be an integer >= 1, got {self.workspace_mb!r}")
         if self.value_slots is not None:
             if isinstance(self.value_slots, bool) or not isinstance(self.value_slots, int):
                 raise ValueError(f"value_slots: must be an integer, got {self.value_slots!r}")

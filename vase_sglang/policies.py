@@ -192,12 +192,21 @@ class RKVPolicy(SnapKVPolicy):
 
     def score(self, keys, values, queries, draws):
         importance = super().score(keys, values, queries, draws)
-        unit = torch.nn.functional.normalize(keys.float(), dim=-1)
-        cos = torch.matmul(unit, unit.transpose(-1, -2))
-        cos.diagonal(dim1=-2, dim2=-1).zero_()
-        redundancy = torch.softmax(cos.mean(dim=-1), dim=-1)
+        redundancy = torch.softmax(mean_cosine_to_others(keys), dim=-1)
         lam = self.cfg.rkv_lambda
         return lam * importance - (1.0 - lam) * redundancy
+
+
+def mean_cosine_to_others(keys: torch.Tensor) -> torch.Tensor:
+    """[..., n, D] -> [..., n] float32: sum over j != i of cos(k_i, k_j), divided by n (the
+    mean over a row of the cosine matrix with its diagonal zeroed, as R-KV computes it).
+
+    Without the n x n matrix: with unit rows u (normalize gives 0 for a zero key, whose
+    cosines are then 0), sum_{j != i} u_i.u_j = u_i . sum_j u_j - u_i.u_i, in O(n D) memory."""
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    total = unit.sum(dim=-2, keepdim=True)  # [..., 1, D]
+    with_self = torch.matmul(unit, total.transpose(-1, -2)).squeeze(-1)
+    return (with_self - (unit * unit).sum(dim=-1)) / keys.shape[-2]
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,15 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def stream_key(seed: int, *parts, device=None) -> torch.Tensor:
     """Hash (seed, *parts) into one 32-bit key per element; parts broadcast like tensors."""
-    key = mix32(torch.tensor(seed & ((1 << 63) - 1), dtype=torch.int64, device=device))
+    # torch.full, not torch.tensor: a Python int becomes a fill on the device, not a
+    # synchronising host-to-device copy (the eviction step must not block the CPU).
+    key = mix32(torch.full((), seed & ((1 << 63) - 1), dtype=torch.int64, device=device))
     for i, part in enumerate(parts):
-        part = torch.as_tensor(part, dtype=torch.int64, device=device)
+        if isinstance(part, torch.Tensor):
+            part = part.to(device=device, dtype=torch.int64)
+        else:
+            part = torch.full((), part, dtype=torch.int64, device=device) if isinstance(part, int) \
+                else torch.as_tensor(part, dtype=torch.int64, device=device)
         key = mix32(key ^ mix32(part + 0x9E3779B9 * (i + 1)))
     return key
 

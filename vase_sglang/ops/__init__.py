@@ -5,10 +5,14 @@ Backend choice (`VASE_KERNELS` environment variable):
   auto (default)  Triton on CUDA tensors, torch elsewhere
   torch           always the torch reference
   triton          always Triton (on CPU this needs TRITON_INTERPRET=1; used by the tests)
+
+Meta tensors (memory planning, vase_sglang/workspace.py) take the backend of the device being
+planned for (`planning_for`); the Triton wrappers then make their allocations and skip the launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -21,6 +25,18 @@ from .window_attention import window_attention_reference
 
 logger = logging.getLogger(__name__)
 _announced: set[str] = set()
+_planned_device: str | None = None  # the device meta tensors stand for while planning
+
+
+@contextlib.contextmanager
+def planning_for(device: torch.device | str):
+    """Ops on meta tensors take the backend they would take on `device`."""
+    global _planned_device
+    saved, _planned_device = _planned_device, torch.device(device).type
+    try:
+        yield
+    finally:
+        _planned_device = saved
 
 
 def _triton_available() -> bool:
@@ -37,6 +53,13 @@ def kernel_backend(device: torch.device | str) -> str:
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"VASE_KERNELS: expected auto, torch or triton, got {choice!r}")
     device = torch.device(device)
+    if device.type == "meta":
+        planned = _planned_device or "cpu"
+        if planned == "cuda" and choice != "torch" and _triton_available():
+            return "triton"
+        if choice == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+            return "triton"
+        return "torch"
     if choice == "torch":
         backend = "torch"
     elif choice == "triton":
@@ -80,18 +103,21 @@ def cur_leverage(keys, values, projection):
     return cur_leverage_reference(keys, values, projection)
 
 
-def compact_kv_(k_buffers, v_buffers, slots, keep, *, ascending: bool = True) -> None:
-    """ascending=False (keep not sorted per head): only the reference, which reads every
+def compact_kv_(k_buffers, v_buffers, slots, keep, *, ascending: bool = True,
+                first_layer: int = 0) -> None:
+    """keep [B, L, H, K] applies to the pool layers first_layer .. first_layer + L - 1.
+    ascending=False (keep not sorted per head): only the reference, which reads every
     source before writing, is safe in place."""
     if ascending and kernel_backend(slots.device) == "triton":
         from .compact import compact_kv_triton_
 
-        return compact_kv_triton_(k_buffers, v_buffers, slots, keep)
-    return compact_kv_reference_(k_buffers, v_buffers, slots, keep)
+        return compact_kv_triton_(k_buffers, v_buffers, slots, keep, first_layer)
+    return compact_kv_reference_(k_buffers, v_buffers, slots, keep, first_layer)
 
 
 __all__ = [
     "kernel_backend",
+    "planning_for",
     "value_range",
     "window_attention",
     "cur_leverage",

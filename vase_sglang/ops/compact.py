@@ -4,7 +4,8 @@ For each request b, layer l, KV head h and j < K:
     k_buffers[l][slots[b, j], h] <- k_buffers[l][slots[b, keep[b, l, h, j]], h]   (and V alike)
 
 `slots` [B, n] are the physical pool slots of the request's n candidate tokens in token order;
-`keep` [B, L, H, K] are ascending candidate indices per (request, layer, head). Because keep is
+`keep` [B, L, H, K] are ascending candidate indices per (request, layer, head), for the layers
+first_layer .. first_layer + L - 1 of the pool (a chunk of layers when the step streams them). Because keep is
 ascending and distinct, keep[j] >= j: a token is only ever moved towards the front, so a pass that
 reads a block of sources before writing that block is safe in place. Mixing tokens of different
 heads inside one slot is sound because keys are stored after RoPE and attention over past tokens
@@ -23,7 +24,7 @@ except ImportError:  # torch-only install: the reference works, the kernel is no
 
 
 def compact_kv_reference_(
-    k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor
+    k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor, first_layer: int = 0
 ) -> None:
     """In place; k_buffers / v_buffers are per-layer tensors [S, H, D] (one pool slot per row)."""
     num_layers = keep.shape[1]
@@ -33,7 +34,7 @@ def compact_kv_reference_(
     head = torch.arange(h, device=slots.device).view(1, h, 1)
     for layer in range(num_layers):
         src = torch.gather(slots.unsqueeze(1).expand(b, h, slots.shape[1]), 2, keep[:, layer].long())
-        for buf in (k_buffers[layer], v_buffers[layer]):
+        for buf in (k_buffers[first_layer + layer], v_buffers[first_layer + layer]):
             moved = buf[src, head]  # [B, H, K, D], fully read before the write below
             buf[dst.unsqueeze(1).expand(b, h, k), head] = moved
 
@@ -80,24 +81,46 @@ if triton is not None:
             tl.store(v_buf + dst_off, v_rows, mask=mask)
 
 
-def compact_kv_triton_(k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor) -> None:
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def pointer_table(buffers, device) -> torch.Tensor:
+    """int64 [L] of the layers' base addresses, built once per set of buffers and cached: a
+    fresh torch.tensor on the device at every step would be a synchronising host copy. The
+    key is the addresses themselves, so a reallocated pool gets a new table."""
+    key = (str(device), *(t.data_ptr() for t in buffers))
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.tensor([t.data_ptr() for t in buffers], dtype=torch.int64, device=device)
+        _TABLES[key] = table
+    return table
+
+
+def compact_kv_triton_(
+    k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor, first_layer: int = 0
+) -> None:
     """Same contract as compact_kv_reference_ (in place)."""
     num_req, num_layers, num_heads, num_kept = keep.shape
-    k_bufs, v_bufs = list(k_buffers[:num_layers]), list(v_buffers[:num_layers])
+    k_bufs, v_bufs = list(k_buffers), list(v_buffers)
     first = k_bufs[0]
     layout = (first.shape, first.stride(), first.dtype)
     if any((t.shape, t.stride(), t.dtype) != layout for t in k_bufs + v_bufs):
         raise ValueError("all K/V layer buffers must share shape, strides and dtype")
+    if first_layer < 0 or first_layer + num_layers > len(k_bufs):
+        raise ValueError(f"keep: layers {first_layer}..{first_layer + num_layers - 1} are not "
+                         f"in the pool's {len(k_bufs)} layers")
     if keep.numel() == 0:
         return
-
     # The buffers are reached only through these addresses, never passed as tensor arguments.
-    def table(ts):
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=slots.device)
+    # The tables cover every layer of the pool; a chunk of layers starts at a view's offset.
+    k_table = pointer_table(k_bufs, slots.device)[first_layer:]
+    v_table = pointer_table(v_bufs, slots.device)[first_layer:]
+    if slots.device.type == "meta":
+        return  # memory planning: the same allocations, no launch
 
     d = first.shape[-1]
     _compact_kernel[(num_req, num_layers, num_heads)](
-        table(k_bufs), table(v_bufs), slots, keep, num_kept, d,
+        k_table, v_table, slots, keep, num_kept, d,
         *slots.stride(), *keep.stride(), *first.stride(),
         WORD=_WORD[first.element_size()], BLOCK_J=32, BLOCK_D=triton.next_power_of_2(d),
     )

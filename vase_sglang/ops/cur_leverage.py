@@ -65,7 +65,7 @@ def cur_leverage_triton(
     v = values.reshape(-1, h, n, d)
     g = projection.expand(*batch, d, rank).reshape(-1, d, rank)
     score = torch.empty(k.shape[0], h, n, dtype=torch.float32, device=keys.device)
-    if score.numel() > 0:
+    if score.numel() > 0 and keys.device.type != "meta":  # meta: memory planning, no launch
         block_n = 32
         _cur_leverage_kernel[(k.shape[0] * h, triton.cdiv(n, block_n))](
             k, v, g, score, h, n, d, rank, *k.stride(), *v.stride(), *g.stride(),

@@ -37,10 +37,13 @@ if triton is not None:
 
 def value_range_triton(values: torch.Tensor) -> torch.Tensor:
     """Same contract as value_range_reference."""
+    if not values.is_contiguous() and values.dim() >= 3 and values.transpose(-3, -2).is_contiguous():
+        # Gathered pool rows viewed as [..., H, n, D]: read them in place, no reshape copy.
+        return value_range_triton(values.transpose(-3, -2)).transpose(-2, -1)
     d = values.shape[-1]
     flat = values.reshape(-1, d)  # a view whenever the leading dims are mergeable
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=values.device)
-    if flat.shape[0] > 0:
+    if flat.shape[0] > 0 and values.device.type != "meta":  # meta: memory planning, no launch
         block_r = 32
         _value_range_kernel[(triton.cdiv(flat.shape[0], block_r),)](
             flat, out, flat.shape[0], d, flat.stride(0), flat.stride(1),
