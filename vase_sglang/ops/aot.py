@@ -239,22 +239,24 @@ def _tool(name: str) -> str:
 
 
 def cubin_resources(cubin: bytes) -> dict:
-    """registers and local bytes per thread, and local-memory instructions, of a one-kernel cubin."""
+    """Registers and stack bytes per thread, and local-memory instructions, of a one-kernel cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name],
-                               check=True, capture_output=True, text=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", f.name],
-                              check=True, capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    if found is None:
-        raise RuntimeError(f"cuobjdump printed no resource usage:\n{usage}")
-    return {
-        "registers": int(found.group(1)),
-        "stack_bytes": int(found.group(2)),
-        "spill_instructions": len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
-    }
+        usage = _run_tool("cuobjdump", "--dump-resource-usage", f.name)
+        found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+        if found is None:
+            raise RuntimeError(f"cuobjdump printed no resource usage:\n{usage}")
+        registers, stack, local = map(int, found.groups())
+        spills = 0
+        if stack or local:  # without any local memory there is nothing to spill to: skip the
+            sass = _run_tool("cuobjdump", "--dump-sass", f.name)  # disassembly (0.5 s a kernel)
+            spills = len(re.findall(r"\b(?:STL|LDL)\b", sass))
+    return {"registers": registers, "stack_bytes": stack + local, "spill_instructions": spills}
+
+
+def _run_tool(name: str, *args: str) -> str:
+    return subprocess.run([_tool(name), *args], check=True, capture_output=True, text=True).stdout
 
 
 def problems_of(report: KernelReport) -> list[str]:
