@@ -69,8 +69,8 @@ def test_cpu_self_test_runs_every_section_without_sglang(tmp_path):
     assert proc.returncode == 0 and report["status"] == "ok"
     _no_blocked_import_attempted(tmp_path)
     kernels = sections["kernels"]["rows"]
-    assert {r["kernel"] for r in kernels} == {"value_range", "window_attention", "cur_leverage",
-                                              "compact_kv"}
+    assert {r["kernel"] for r in kernels} >= {"value_range", "window_attention", "cur_leverage",
+                                              "compact_kv"}  # + window_attention_softcap
     assert all(r["ok"] for r in kernels)
     hf = sections["hf_reference"]
     assert {r["policy"] for r in hf["runs"]} == set(gpu_check.HF_POLICIES)

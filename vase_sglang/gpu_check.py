@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -224,6 +225,12 @@ def kernel_rows(shapes: Shapes, dtype, device, timed: bool, seed: int = 0) -> li
                                lambda: cur_leverage_reference(keys, values, projection)),
                  bytes_read=2 * kv_bytes),
     ]
+    if "softcap" in inspect.signature(window_attention_triton).parameters:
+        # Soft-capped logits (Gemma-2-like) are their own kernel specialisation (SOFTCAP constexpr).
+        capped = dict(softcap=50.0)
+        rows.append(_compare("window_attention_softcap", dtype, s,
+                             window_attention_triton(queries, keys, **capped),
+                             window_attention_reference(queries, keys, **capped), exact=False))
     del keys, values, queries
     rows.append(_compact_row(s, dtype, device, gen, timed))
     return rows

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -90,12 +91,22 @@ def _run_value_range(dtype, d):
     value_range_triton(_kv(dtype, d))
 
 
-def _run_window_attention(dtype, d):
+def _run_window_attention(dtype, d, **options):
     from vase_sglang.ops.window_attention import window_attention_triton
 
     # The runtime hands the ring's queries as a permuted view [B, L, H_q, W, D].
     queries = torch.randn(LAYERS, BATCH, WINDOW, Q_HEADS, d).to(dtype).permute(1, 0, 3, 2, 4)
-    window_attention_triton(queries, _kv(dtype, d))  # keyword defaults: survives new options
+    window_attention_triton(queries, _kv(dtype, d), **options)  # other options: their defaults
+
+
+def _window_attention_has_softcap() -> bool:
+    """The soft-capped logits (Gemma-2-like models) are a separate specialisation (SOFTCAP is a
+    constexpr) where the wrapper takes a `softcap`."""
+    import inspect
+
+    from vase_sglang.ops.window_attention import window_attention_triton
+
+    return "softcap" in inspect.signature(window_attention_triton).parameters
 
 
 def _run_cur_leverage(dtype, d):
@@ -123,6 +134,9 @@ WRAPPERS: dict[str, Callable[[torch.dtype, int], None]] = {
     "cur_leverage_triton": _run_cur_leverage,
     "compact_kv_triton_": _run_compact,
 }
+if _window_attention_has_softcap():
+    WRAPPERS["window_attention_triton+softcap"] = functools.partial(_run_window_attention,
+                                                                   softcap=50.0)
 
 
 KERNEL_MODULES = ("compact", "cur_leverage", "value_range", "window_attention")
