@@ -1,0 +1,129 @@
+"""The GPU check script (vase_sglang.gpu_check) on CPU: what can be checked without a GPU.
+
+Its arguments, its JSON, its clear exit without CUDA, and one self-test run of every section
+with small shapes and the Triton interpreter, in a process where SGLang and vase_sglang_patches
+cannot be imported (the GPU image has neither).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vase_sglang import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _blocked_imports(tmp_path) -> Path:
+    """A folder that, first on sys.path, makes `import sglang` and `import vase_sglang_patches`
+    fail and leaves a marker file behind for each attempt."""
+    folder = tmp_path / "blocked"
+    for name in ("sglang", "vase_sglang_patches"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text(
+            f"open({str(tmp_path / ('imported-' + name))!r}, 'w').close()\n"
+            f"raise ImportError('{name} is not installed on the GPU image')\n")
+    return folder
+
+
+def _run(tmp_path, *args, interpret: bool, timeout: float):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VASE_KERNELS")}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, whatever the machine has
+    env["PYTHONPATH"] = os.pathsep.join([str(_blocked_imports(tmp_path)), str(ROOT)])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # The worktree's symlink vase_sglang_patches -> patches sits in ROOT: run from elsewhere
+    # so that only the blocked one is importable.
+    return subprocess.run([sys.executable, "-m", "vase_sglang.gpu_check", *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _no_blocked_import_attempted(tmp_path):
+    assert not list(tmp_path.glob("imported-*")), "gpu_check tried to import SGLang or the patches"
+
+
+def test_without_cuda_it_exits_2_with_a_clear_message_and_a_json(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = _run(tmp_path, "--out", str(out), interpret=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA device" in proc.stderr
+    report = json.loads(out.read_text())
+    assert report["status"] == "no-cuda" and report["sections"] == {}
+    _no_blocked_import_attempted(tmp_path)
+
+
+def test_cpu_self_test_runs_every_section_without_sglang(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = _run(tmp_path, "--device", "cpu", "--quick", "--out", str(out), interpret=True,
+                timeout=900)
+    report = json.loads(out.read_text())
+    sections = report["sections"]
+    assert list(sections) == list(gpu_check.SECTIONS), proc.stderr[-3000:]
+    errors = {k: v for k, v in sections.items() if v["status"] in ("error", "failed")}
+    assert not errors, json.dumps(errors, indent=1)[:4000]
+    assert proc.returncode == 0 and report["status"] == "ok"
+    _no_blocked_import_attempted(tmp_path)
+    kernels = sections["kernels"]["rows"]
+    assert {r["kernel"] for r in kernels} >= {"value_range", "window_attention", "cur_leverage",
+                                              "compact_kv"}  # + window_attention_softcap
+    assert all(r["ok"] for r in kernels)
+    hf = sections["hf_reference"]
+    assert {r["policy"] for r in hf["runs"]} == set(gpu_check.HF_POLICIES)
+    assert all(r["tokens_equal"] and r["rounds"] >= 1 for r in hf["runs"])
+    step = sections["eviction_step"]
+    assert step["check"] and all(c["ok"] for c in step["check"])
+    # CUDA graphs exist only on CUDA: recorded as skipped (or missing without capture.py).
+    assert sections["graph_capture"]["status"] in ("skipped", "missing")
+
+
+def test_a_failing_kernel_comparison_fails_the_section():
+    import torch
+
+    shapes = gpu_check.QUICK_BENCH
+    right = torch.ones(3)
+    ok = gpu_check._compare("k", torch.float32, shapes, right, right.clone(), exact=True)
+    off = gpu_check._compare("k", torch.float32, shapes, right + 1e-3, right, exact=False)
+    assert ok["ok"] and not off["ok"] and off["max_abs_diff"] == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_arguments(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest.py sets it
+    args = gpu_check.parse_args(["--out", "x.json"])
+    assert args.only == gpu_check.SECTIONS and args.device == "cuda" and args.budget_s == 450
+    assert gpu_check.parse_args(["--only", "kernels, hf_reference"]).only == (
+        "kernels", "hf_reference")
+    for bad in (["--only", "kernels,nope"], ["--budget-s", "0"], ["--device", "tpu"]):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(bad)
+
+
+def test_arguments_that_depend_on_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert gpu_check.parse_args(["--device", "cpu", "--quick"]).quick
+    with pytest.raises(SystemExit):  # a GPU run must compile the kernels, not interpret them
+        gpu_check.parse_args([])
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--device", "cpu"])  # the CPU self-test is --quick only
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--device", "cpu", "--quick"])
+
+
+def test_the_json_is_rewritten_after_every_section(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    report = gpu_check.Report(path, ["--quick"])
+    report.section("kernels", {"status": "ok"})
+    assert json.loads(path.read_text())["sections"] == {"kernels": {"status": "ok"}}
+    assert json.loads(path.read_text())["status"] == "running"
+    report.section("hf_reference", {"status": "skipped", "reason": "transformers not installed"})
+    report.finish(gpu_check.overall_status(report.data["sections"]))
+    final = json.loads(path.read_text())
+    assert final["status"] == "ok" and list(final["sections"]) == ["kernels", "hf_reference"]
+    assert not list(path.parent.glob("*.tmp"))
+    assert gpu_check.overall_status({"a": {"status": "ok"}, "b": {"status": "error"}}) == "failed"
+    assert gpu_check.overall_status({"a": {"status": "missing"}}) == "ok"

@@ -1,0 +1,86 @@
+"""Every Triton kernel compiles ahead of time for sm_80, sm_90 and sm_100 through the project's own
+launch wrappers, within each architecture's shared-memory and register limits
+(vase_sglang.ops.aot; no GPU needed: a driver reporting a fixed target, launches skipped).
+
+The compile runs in a subprocess: conftest.py sets TRITON_INTERPRET=1 for this process, which
+makes every kernel an interpreted function at import.
+"""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vase_sglang.ops import aot
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS_OF = {
+    "value_range_triton": {"_value_range_kernel"},
+    "window_attention_triton": {"_window_lse_kernel", "_window_score_kernel"},
+    "cur_leverage_triton": {"_cur_leverage_kernel"},
+    "compact_kv_triton_": {"_compact_kernel"},
+}
+
+
+def _compile(tmp_path, *args, timeout):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VASE_KERNELS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = tmp_path / "compile.json"
+    proc = subprocess.run([sys.executable, "-m", "vase_sglang.ops.aot", "--json", str(out), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    report = json.loads(out.read_text()) if out.exists() else None
+    return proc, report
+
+
+def test_every_kernel_compiles_for_every_arch_dtype_and_head_dim(tmp_path):
+    # One process per architecture: a cold compile of all 135 kernels is ~2.5 CPU-minutes.
+    jobs = min(len(aot.ARCHS), os.cpu_count() or 1)
+    proc, report = _compile(tmp_path, "--jobs", str(jobs), timeout=1500)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    seen = {}
+    for r in report["kernels"]:
+        seen.setdefault((r["wrapper"], r["arch"], r["dtype"], r["head_dim"]), set()).add(r["kernel"])
+        assert r["problems"] == [], r
+        assert 0 <= r["shared"] <= aot.SHARED_LIMIT[r["arch"]], r
+        assert 0 < r["registers"] <= aot.MAX_REGS_PER_THREAD, r  # > 0: cuobjdump was parsed
+        assert r["num_warps"] * 32 * r["registers"] <= aot.MAX_REGS_PER_BLOCK, r
+    # Every wrapper (a "+softcap" variant launches the same kernels) at every combination.
+    combos = itertools.product(aot.WRAPPERS, aot.ARCHS, aot.DTYPES, aot.HEAD_DIMS)
+    assert seen == {combo: KERNELS_OF[combo[0].split("+")[0]] for combo in combos}
+
+
+def test_an_oversized_block_fails_the_shared_memory_limit(tmp_path):
+    # head dim 512 makes window attention's BLOCK_D 512: its tiles need ~288 KiB of shared
+    # memory, above the 163 KiB an sm_80 block can have. The check must flag it and exit 1.
+    proc, report = _compile(tmp_path, "--arch", "80", "--dtype", "bf16", "--head-dim", "512",
+                            "--wrapper", "window_attention_triton", timeout=900)
+    assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    over = {r["kernel"]: r for r in report["kernels"] if r["problems"]}
+    assert "_window_lse_kernel" in over, report["kernels"]
+    lse = over["_window_lse_kernel"]
+    assert lse["shared"] > aot.SHARED_LIMIT[80]
+    assert any("shared memory" in p for p in lse["problems"])
+
+
+def test_the_compile_check_refuses_to_run_on_interpreted_kernels():
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        with aot.compile_for(90):
+            pass
+
+
+def test_problems_and_spill_warnings_of_a_report():
+    base = dict(wrapper="w", kernel="k", arch=80, dtype="bf16", head_dim=128, num_warps=8,
+                num_stages=3, shared=aot.SHARED_LIMIT[80], shared_limit=aot.SHARED_LIMIT[80],
+                registers=255, stack_bytes=0, spill_instructions=0, problems=[], warnings=[],
+                wrapper_seconds=0.0)
+    assert aot.problems_of(aot.KernelReport(**base)) == []  # at the limits exactly: fine
+    over = aot.KernelReport(**{**base, "shared": base["shared"] + 1, "registers": 256,
+                               "num_warps": 16})
+    assert [p.split()[0] for p in aot.problems_of(over)] == ["shared", "256", "256"]
+    spills = aot.KernelReport(**{**base, "spill_instructions": 3, "stack_bytes": 16})
+    assert aot.problems_of(spills) == [] and "spills" in aot.warnings_of(spills)[0]
