@@ -17,7 +17,10 @@ from servers import server_env
 
 def test_env_channel_round_trip(monkeypatch):
     for suffix in settings.FLAGS:
-        monkeypatch.delenv(settings.env_name(suffix), raising=False)
+        # setenv first so monkeypatch restores the variable (absent) after configure() wrote it:
+        # nothing leaks into the tests that follow
+        monkeypatch.setenv(settings.env_name(suffix), "")
+        monkeypatch.delenv(settings.env_name(suffix))
     assert settings.config_from_env() is None
     cfg = plugin.configure(policy="vase-dkv", budget=256, window=32, seed=9)
     assert cfg == EvictionConfig(policy="vase-dkv", budget=256, window=32, seed=9)

@@ -66,7 +66,7 @@ def test_query_ring_reserved_in_the_dtype_it_is_allocated_with(tiny_model):
         log = server.output()
     assert out["meta_info"]["kv_evicted_tokens"] > 0
     reserved = re.search(r"VaSE query ring: reserving [\d.]+ MiB \((\d+) bytes of (\S+)\)", log)
-    allocated = re.search(r"query ring [\d.]+ MiB = (\d+) bytes of (\S+);", log)
+    allocated = re.search(r"query ring [\d.]+ MiB = (\d+) bytes of ([\w.]+)", log)
     assert reserved and allocated, log[-3000:]
     assert allocated.group(2) == "torch.bfloat16"
     assert reserved.groups() == allocated.groups()
