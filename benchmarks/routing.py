@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -38,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._server import BenchServer, free_port  # noqa: E402
+from benchmarks._server import BenchServer, free_port, stop_process_group  # noqa: E402
 
 DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+)")
 WORDS = ("cache radix token eviction memory budget window value range sample attention "
@@ -94,17 +92,7 @@ class Gateway:
             return json.loads(r.read())
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        stop_process_group(self.proc, grace=15)
         self.log.close()
 
 
