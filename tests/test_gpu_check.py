@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _blocked_imports(tmp_path) -> Path:
     """A folder that, first on sys.path, makes `import sglang` and `import vase_sglang_patches`
-    fail and leaves a marker file behind for each attempt."""
+    fail and leaves a marker file behind for each attempt. gpu_check itself imports neither;
+    the benchmark subprocess it starts imports this tree's patches/ through its own alias
+    (placed before this folder), never SGLang."""
     folder = tmp_path / "blocked"
     for name in ("sglang", "vase_sglang_patches"):
         (folder / name).mkdir(parents=True)

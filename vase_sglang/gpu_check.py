@@ -386,9 +386,24 @@ def eviction_step(ctx) -> dict:
             "check": bench.get("check"), "settings": bench.get("settings"), "rows": rows}
 
 
+def _patches_alias() -> str:
+    """A folder holding `vase_sglang_patches` -> this tree's patches/: benchmarks/kernels.py
+    times the server's own step (vase_sglang_patches.runtime, which imports no SGLang), and on
+    the GPU image the repository is carried, not pip-installed."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="vase-patches-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.symlink(ROOT / "patches", os.path.join(folder, "vase_sglang_patches"))
+    return folder
+
+
 def _child_env(ctx) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [_patches_alias(), str(ROOT), env.get("PYTHONPATH")]))
     if ctx.device.type == "cuda":
         env.pop("TRITON_INTERPRET", None)
     return env
