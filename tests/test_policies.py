@@ -78,20 +78,6 @@ def test_value_slots_are_the_largest_ranges_among_non_sinks():
             assert set(top) <= set(keep[r, l, h].tolist())
 
 
-def _exact_inclusion(weights, m):
-    """P(i in sample) for sequential sampling of m items without replacement, p ∝ weight."""
-    n = len(weights)
-    incl = [0.0] * n
-    for seq in itertools.permutations(range(n), m):
-        p, rest = 1.0, sum(weights)
-        for i in seq:
-            p *= weights[i] / rest
-            rest -= weights[i]
-        for i in seq:
-            incl[i] += p
-    return incl
-
-
 def test_weighted_sampling_matches_sampling_without_replacement():
     # One KV head, one query, no pooling: the attention weights are softmax(a) with a chosen a.
     weights = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]
@@ -109,7 +95,7 @@ def test_weighted_sampling_matches_sampling_without_replacement():
     freq = torch.zeros(n)
     freq.scatter_add_(0, keep.flatten(), torch.ones(keep.numel()))
     freq /= trials
-    exact = torch.tensor(_exact_inclusion(weights, m))
+    exact = torch.tensor(oracle.inclusion_probabilities(weights, m))
     # 4000 trials: std of a frequency <= 0.0079; tolerance ~3.8 sigma, fixed seed.
     assert (freq - exact).abs().max() < 0.03, (freq, exact)
     # The tolerance separates it from plain top-k and from proportional inclusion m*w.
