@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._server import BenchServer, free_port, stop_process_group  # noqa: E402
+from benchmarks.concurrency_scaling import decode_stats  # noqa: E402
 
-DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+)")
 WORDS = ("cache radix token eviction memory budget window value range sample attention "
          "head layer prompt decode prefix router worker gateway slot page").split()
 
@@ -143,10 +143,9 @@ def run_arm(args, policy: str, requests, out_dir: Path) -> dict:
                            "kv_evicted_tokens; are the workers running vase-sglang?")
     per_worker = []
     for log in logs:
-        running = [int(x) for x in DECODE_LINE.findall(log)]
-        if not running:
-            raise RuntimeError(f"{policy}: a worker logged no decode batch; see {out_dir}")
-        per_worker.append({"peak_running": max(running), "requests": _served_requests(log)})
+        # the concurrency benchmark's parser: it stops if a worker logged no decode step
+        per_worker.append({"peak_running": decode_stats(log)["peak_running"],
+                           "requests": _served_requests(log)})
     prompt_tokens = sum(m["prompt_tokens"] for m in metas)
     cached = sum(m["cached_tokens"] for m in metas)
     output_tokens = sum(m["completion_tokens"] for m in metas)
