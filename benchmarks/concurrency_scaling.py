@@ -15,7 +15,9 @@ and inter-token latency percentiles, peak KV usage (slots), retracted requests (
 `#retracted_reqs`, checked against `sglang:num_retracted_requests_total`), the prompt lengths
 the server saw (the client's random-ids prompts are text the server tokenizes again, longer than
 --input-len; read from the client's per-request output and checked against the server's prompt
-histogram), the bound N / (P + T + R) with that P, and the eviction time share (the server's
+histogram), the bound N / (P + T + R) with that P (with --page-size ps > 1, in whole pages:
+N / (P rounded down to pages, which the radix tree holds, + T + R rounded up to pages, the
+private cycle's top, prompt tail included)), and the eviction time share (the server's
 `vase:eviction_seconds` / the run's wall time). Reported: median and range over the runs; a
 ratio between arms is bold only where their ranges do not overlap, a target (running / bound
 >= 0.95, eviction time <= 3 %) only where every run meets it. A figure that cannot be measured
@@ -24,6 +26,7 @@ Writes JSON, a Markdown table and a PNG.
 
     python benchmarks/concurrency_scaling.py            # tiny local model, CPU: ~10 minutes
     python benchmarks/concurrency_scaling.py --model-path DIR --concurrency 8 16 32 ...
+    python benchmarks/concurrency_scaling.py --arms vase --page-size 1 16   # pages vs tokens
 """
 
 from __future__ import annotations
@@ -160,10 +163,15 @@ def server_prompt_lengths(client_result: dict, before: dict, after: dict) -> lis
     return [int(x) for x in lens]
 
 
-def concurrency_bound(pool: int, prompt_lens: list[int], budget: int, window: int) -> float:
+def concurrency_bound(pool: int, prompt_lens: list[int], budget: int, window: int,
+                      page_size: int = 1) -> float:
     """N / (P + T + R) with P the mean prompt length the server saw: how many requests fit at
-    once when each holds its prompt plus a full budget and window."""
-    return pool / (sum(prompt_lens) / len(prompt_lens) + budget + window)
+    once when each holds its prompt plus a full budget and window. With pages, a request
+    holds its prompt's whole pages (tree-owned) and at most T + R private tokens, the prompt's
+    partial page included, in whole pages."""
+    private = -(-(budget + window) // page_size) * page_size
+    held = [p // page_size * page_size + private for p in prompt_lens]
+    return pool / (sum(held) / len(held))
 
 
 def run_client(server: BenchServer, args, concurrency: int, out_file: Path, tokenizer: str) -> dict:
@@ -195,7 +203,7 @@ CLIENT_KEYS = ["duration", "completed", "total_output_tokens", "output_throughpu
                "max_concurrent_requests"]
 
 
-def measure_run(server: BenchServer, args, c: int, evicting: bool) -> dict:
+def measure_run(server: BenchServer, args, c: int, evicting: bool, page_size: int = 1) -> dict:
     """One client run against a running server: the client's figures plus what the server
     logged and exported during it."""
     server.flush_cache()  # same prompts every run: no prefix hits from the last one
@@ -211,16 +219,20 @@ def measure_run(server: BenchServer, args, c: int, evicting: bool) -> dict:
         **{k: result.get(k) for k in CLIENT_KEYS}, **decode_stats(text),
         "prompt_tokens_mean": sum(prompts) / len(prompts),
         "prompt_tokens_min": min(prompts), "prompt_tokens_max": max(prompts),
-        "bound": concurrency_bound(args.max_total_tokens, prompts, args.budget, args.window),
+        "bound": concurrency_bound(args.max_total_tokens, prompts, args.budget, args.window,
+                                   page_size),
         "retracted_requests": retracted_requests(text, before, after),
         "eviction_seconds": evict_s,
         "eviction_time_share": None if evict_s is None else evict_s / result["duration"],
     }
 
 
-def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path) -> list[dict]:
+def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
+            page_size: int = 1) -> list[dict]:
     """--repeats client runs per concurrency on one server of this arm."""
-    log = out_dir / f"server-{name.replace('@', '_at_')}.log"
+    log = out_dir / f"server-{name.replace('@', '_at_').replace(' ', '_')}.log"
+    if page_size != 1:
+        server_args = [*server_args, "--page-size", str(page_size)]
     log.unlink(missing_ok=True)
     server = BenchServer(args.model_path,
                          ["--decode-log-interval", "1", "--enable-metrics", *server_args],
@@ -234,8 +246,9 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path) -
     try:
         for c in args.concurrency:
             for rep in range(args.repeats):
-                row = {"arm": name, "pool": pool * workers, "concurrency": c, "repeat": rep,
-                       **measure_run(server, args, c, evicting)}
+                row = {"arm": name, "pool": pool * workers, "page_size": page_size,
+                       "concurrency": c, "repeat": rep,
+                       **measure_run(server, args, c, evicting, page_size)}
                 rows.append(row)
                 share = row["eviction_time_share"]
                 print(f"  {name} c={c} run {rep + 1}/{args.repeats}: "
@@ -291,8 +304,13 @@ def against(values: list[float], target: float, higher_is_better: bool) -> dict:
     return s
 
 
-def summarize(rows: list[dict], policies: list[str]) -> dict:
-    """The issue's criteria, per policy, at the highest concurrency run."""
+def page_suffix(page_size: int) -> str:
+    """Arm names at page size 1 are as before; other page sizes are named apart."""
+    return "" if page_size == 1 else f" p{page_size}"
+
+
+def summarize(rows: list[dict], policies: list[str], page_sizes=(1,)) -> dict:
+    """The issue's criteria, per policy and page size, at the highest concurrency run."""
     c = max(r["concurrency"] for r in rows)
     runs: dict[str, list[dict]] = {}
     for r in rows:
@@ -303,8 +321,9 @@ def summarize(rows: list[dict], policies: list[str]) -> dict:
         return [r[key] for r in runs[arm]]
 
     out = {"concurrency": c}
-    for p in policies:
-        arm = f"{p}@N"
+    for p, page in ((p, page) for page in page_sizes for p in policies):
+        sfx = page_suffix(page)
+        arm = f"{p}@N{sfx}"
         if arm not in runs:
             continue
         v = runs[arm]
@@ -314,13 +333,14 @@ def summarize(rows: list[dict], policies: list[str]) -> dict:
             "eviction_time_share": against(col(arm, "eviction_time_share"), 0.03, False),
             "retracted_requests": spread(col(arm, "retracted_requests")),
         }
-        for ref in ("full@N", "ceiling"):
+        for ref in (f"full@N{sfx}", f"ceiling{sfx}"):
             if ref in runs:
-                s[f"throughput_over_{ref.split('@')[0]}"] = ratio(
+                base = ref.split('@')[0].split(' ')[0]
+                s[f"throughput_over_{base}"] = ratio(
                     col(arm, "output_throughput"), col(ref, "output_throughput"))
-                s[f"mean_running_over_{ref.split('@')[0]}"] = ratio(
+                s[f"mean_running_over_{base}"] = ratio(
                     col(arm, "mean_running"), col(ref, "mean_running"))
-        out[p] = s
+        out[p + sfx] = s
     return out
 
 
@@ -423,6 +443,9 @@ def main(argv=None) -> int:
                     choices=["full", "vase", "vase-dp2", "ceiling"],
                     help="vase-dp2: the policy on two data-parallel workers (--dp-size 2), each "
                     "with half the pool, so the total is N as in the other @N arms")
+    ap.add_argument("--page-size", type=int, nargs="+", default=[1],
+                    help="KV page sizes: every arm runs at each (arms at page size ps > 1 are "
+                    "named '... pPS'; their bound counts whole pages)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "results" / "concurrency"))
     ap.add_argument("--quiet-client", action="store_true", help="hide the client's progress bar")
@@ -437,6 +460,12 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if any(c <= 0 for c in args.concurrency):
         ap.error("--concurrency values must be positive")
+    if any(p <= 0 for p in args.page_size):
+        ap.error("--page-size values must be positive")
+    evicting_arms = {"vase", "vase-dp2"} & set(args.arms)
+    if evicting_arms and args.window < max(args.page_size):
+        ap.error(f"--window {args.window} must be >= every --page-size (the server refuses a "
+                 "window below one page)")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -444,28 +473,32 @@ def main(argv=None) -> int:
     # the server's prompts are longer than --input-len (re-tokenized text): 2x slack
     ceiling_pool = int(args.num_prompts * (2 * args.input_len + args.output_len) * 1.05) + 1024
     arms = []
-    if "full" in args.arms:
-        arms.append(("full@N", [], n))
-    if "vase" in args.arms:
-        for p in args.policies:
-            arms.append((f"{p}@N", ["--kv-evict-policy", p, "--kv-evict-budget", str(args.budget),
-                                    "--kv-evict-window", str(args.window)], n))
-    if "vase-dp2" in args.arms:
-        for p in args.policies:
-            # the pool flag is per worker: N/2 each, N in all
-            arms.append((f"{p}@N-dp2", ["--dp-size", "2", "--kv-evict-policy", p,
-                                         "--kv-evict-budget", str(args.budget),
-                                         "--kv-evict-window", str(args.window)], n // 2))
-    if "ceiling" in args.arms:
-        arms.append(("ceiling", [], ceiling_pool))
+    for page in args.page_size:
+        sfx = page_suffix(page)
+        if "full" in args.arms:
+            arms.append((f"full@N{sfx}", [], n, page))
+        if "vase" in args.arms:
+            for p in args.policies:
+                arms.append((f"{p}@N{sfx}", ["--kv-evict-policy", p, "--kv-evict-budget",
+                                             str(args.budget), "--kv-evict-window",
+                                             str(args.window)], n, page))
+        if "vase-dp2" in args.arms:
+            for p in args.policies:
+                # the pool flag is per worker: N/2 each, N in all
+                arms.append((f"{p}@N-dp2{sfx}", ["--dp-size", "2", "--kv-evict-policy", p,
+                                                  "--kv-evict-budget", str(args.budget),
+                                                  "--kv-evict-window", str(args.window)],
+                             n // 2, page))
+        if "ceiling" in args.arms:
+            arms.append((f"ceiling{sfx}", [], ceiling_pool, page))
 
     from tqdm import tqdm
 
     rows = []
     started = time.time()
-    for name, server_args, pool in tqdm(arms, desc="arms", unit="arm", file=sys.stdout):
-        print(f"\n== {name} (pool {pool})", flush=True)
-        rows += run_arm(name, server_args, pool, args, out_dir)
+    for name, server_args, pool, page in tqdm(arms, desc="arms", unit="arm", file=sys.stdout):
+        print(f"\n== {name} (pool {pool}, page size {page})", flush=True)
+        rows += run_arm(name, server_args, pool, args, out_dir, page)
     agg = aggregate(rows)
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -474,7 +507,7 @@ def main(argv=None) -> int:
         "wall_seconds": time.time() - started,
         "rows": rows,
         "aggregate": agg,
-        "summary": summarize(rows, args.policies),
+        "summary": summarize(rows, args.policies, args.page_size),
     }
     (out_dir / "concurrency_scaling.json").write_text(json.dumps(result, indent=2))
     plot(agg, out_dir / "concurrency_scaling.png")

@@ -33,17 +33,24 @@ TARGET_RUNNING_OFFSET = (
 )
 
 
-def charge_len(cfg) -> int:
+def charge_len(cfg, page_size: int = 1) -> int:
     """Private tokens admission charges a capped request: the middle of its cycle between
     budget and budget + window, plus the token its next step allocates and one in flight
-    under the overlap scheduler. Charging the bottom of the cycle admits a few more requests
-    but, with them in phase, the pool runs short every few steps and each time forces an
-    early eviction round; charging the top leaves up to `window` tokens per request idle."""
-    return cfg.budget + cfg.window // 2 + 2
+    under the overlap scheduler, in whole pages (the cycle in pages runs from ceil(T / ps) to
+    ceil((T + R) / ps)). Charging the bottom of the cycle admits a few more requests but,
+    with them in phase, the pool runs short every few steps and each time forces an early
+    eviction round; charging the top leaves up to `window` tokens per request idle."""
+    low = _round_up(cfg.budget, page_size)
+    high = _round_up(cfg.budget + cfg.window, page_size)
+    return _round_up((low + high) // 2 + 2, page_size)
+
+
+def _round_up(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size) * page_size
 
 
 @contextmanager
-def _clip_for(req):
+def _clip_for(req, page_size: int):
     """CLIP_MAX_NEW_TOKENS is a module global read at call time by every admission path; the
     scheduler admits one request at a time on one thread, so swapping it per call is safe."""
     from sglang.srt.managers import schedule_policy
@@ -51,7 +58,7 @@ def _clip_for(req):
     cfg = runtime.request_config(req)
     stock = schedule_policy.CLIP_MAX_NEW_TOKENS
     if cfg is not None:
-        schedule_policy.CLIP_MAX_NEW_TOKENS = min(stock, charge_len(cfg))
+        schedule_policy.CLIP_MAX_NEW_TOKENS = min(stock, charge_len(cfg, page_size))
     try:
         yield cfg
     finally:
@@ -60,7 +67,7 @@ def _clip_for(req):
 
 def around_add_one_req(original, self, req, *args, **kwargs):
     """AROUND PrefillAdder.add_one_req."""
-    with _clip_for(req) as cfg:
+    with _clip_for(req, self.page_size) as cfg:
         params = req.sampling_params
         if cfg is None or not params.ignore_eos:
             return original(self, req, *args, **kwargs)
@@ -75,7 +82,7 @@ def around_add_one_req(original, self, req, *args, **kwargs):
 
 def around_add_chunked_req(original, self, req):
     """AROUND PrefillAdder.add_chunked_req: the last chunk reserves the decode tokens too."""
-    with _clip_for(req):
+    with _clip_for(req, self.page_size):
         return original(self, req)
 
 
@@ -85,18 +92,22 @@ def around_running_offset(original, self, req):
     if cfg is None:
         return original(self, req)
     radix = not getattr(self.tree_cache, "disable", True)  # SGLang's own test in add_one_req
-    return capped_running_offset(cfg, req, self.new_token_ratio, radix)
+    return capped_running_offset(cfg, req, self.new_token_ratio, radix, self.page_size)
 
 
-def capped_running_offset(cfg, req, new_token_ratio: float, radix: bool) -> float:
+def capped_running_offset(cfg, req, new_token_ratio: float, radix: bool,
+                          page_size: int = 1) -> float:
     """Slots a running capped request may still take: up to its charge, the prompt apart when
-    the radix tree owns it. The prompt is counted from the request itself, not from
-    cache_protected_len: under the overlap scheduler a request admitted in the previous round
-    has run its prefill but the tree has not taken its prompt yet."""
+    the radix tree owns it (whole pages of it: a partial last page is private, inside the
+    charge). The prompt is counted from the request itself, not from cache_protected_len:
+    under the overlap scheduler a request admitted in the previous round has run its prefill
+    but the tree has not taken its prompt yet. A request holds whole pages."""
     remaining = max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
     kv = req.kv
-    owned = max(kv.cache_protected_len, len(req.origin_input_ids)) if radix else 0
-    growth = max(0, owned + charge_len(cfg) - kv.kv_allocated_len)
+    prompt_pages = len(req.origin_input_ids) // page_size * page_size
+    owned = max(kv.cache_protected_len, prompt_pages) if radix else 0
+    held = _round_up(kv.kv_allocated_len, page_size)
+    growth = max(0, owned + charge_len(cfg, page_size) - held)
     if growth < remaining:
         return float(growth)
     ratio = 1.0 if req.sampling_params.ignore_eos else new_token_ratio

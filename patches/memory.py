@@ -120,14 +120,15 @@ def around_profile(original, self, *args, **kwargs):
     dtype = shapes.q_dtype
     per_row = ring_bytes(len(layers), 1, cfg.window, shapes.q_heads, shapes.head_dim,
                          dtype.itemsize)
-    rows, _row_cap = ring_rows(available, per_row, requested, charge_len(cfg), kv_per_token,
+    charge = charge_len(cfg, get_schedule().page_size or 1)
+    rows, _row_cap = ring_rows(available, per_row, requested, charge, kv_per_token,
                                get_schedule().max_total_tokens)
     reserve = rows * per_row
     logger.info(
         "VaSE query ring: reserving %.1f MiB (%d bytes of %s) for %d request rows%s",
         reserve / 2**20, reserve, dtype, rows,
         "" if requested else
-        (f" (what the pool beside it holds at {charge_len(cfg)} tokens a request: max running "
+        (f" (what the pool beside it holds at {charge} tokens a request: max running "
          f"requests capped to {_row_cap}; set --max-running-requests to choose)"
          if _row_cap else ""),
     )

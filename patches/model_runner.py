@@ -165,6 +165,7 @@ def after_post_pool(result, model_runner):
         token_rows=token_rows,
         attention=attention,
         kv_head_offset=head_offset,
+        page_size=model_runner.token_to_kv_pool_allocator.page_size,
     )
     output.enable_in_scheduler()
     ring = 0 if queries is None else queries.numel() * queries.element_size()

@@ -18,6 +18,7 @@ The scheduler re-derives the config from the same dict (`effective_config`) once
 from __future__ import annotations
 
 from vase_sglang import EvictionConfig
+from vase_sglang.config import check_page_size
 from vase_sglang.policies import POLICIES
 
 KEY = "kv_evict"
@@ -29,9 +30,10 @@ def _fail(field: str | None, message: str):
     raise ValueError(f"{KEY}.{field}: {message}" if field else f"{KEY}: {message}")
 
 
-def effective_config(custom_params, server_cfg: EvictionConfig | None) -> EvictionConfig | None:
+def effective_config(custom_params, server_cfg: EvictionConfig | None,
+                     page_size: int = 1) -> EvictionConfig | None:
     """The settings for one request: None = no eviction. Raises ValueError naming
-    `kv_evict.<field>` for values the server cannot apply."""
+    `kv_evict.<field>` for values the server cannot apply (`page_size`: its KV pages)."""
     value = custom_params.get(KEY) if isinstance(custom_params, dict) else None
     server = server_cfg if server_cfg is not None and server_cfg.evicts else None
     if value is None:
@@ -70,6 +72,7 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None) -> Evicti
         changes["value_slots"] = None
     try:
         cfg = server.replace(**changes)
+        check_page_size(cfg, page_size)
     except ValueError as err:
         raise ValueError(f"{KEY}.{err}") from None  # EvictionConfig names the field first
 
@@ -94,6 +97,12 @@ def server_config() -> EvictionConfig | None:
     return config_from_env()
 
 
+def server_page_size() -> int:
+    from .settings import page_size_from_env
+
+    return page_size_from_env()
+
+
 def after_verify(result, self, *args, **kwargs):
     """AFTER SamplingParams.verify (tokenizer manager): reject bad kv_evict values, and beam
     search where the request would evict, with a ValueError, which SGLang answers with
@@ -101,7 +110,7 @@ def after_verify(result, self, *args, **kwargs):
     custom = self.custom_params
     beam = (self.beam_width or 1) > 1
     if beam or (isinstance(custom, dict) and custom.get(KEY) is not None):
-        cfg = effective_config(custom, server_config())
+        cfg = effective_config(custom, server_config(), server_page_size())
         if beam and cfg is not None:
             refuse_beam_search(self.beam_width)
     return result

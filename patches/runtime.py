@@ -20,6 +20,16 @@ pinned buffers with non-blocking copies.
 Row layout before and after (P = tree-owned prefix, never touched):
     [0, P) prefix | [P, P+n) candidates            | [P+n, P+n+R) newest R
     [0, P) prefix | [P, P+K) kept (mixed per head) | [P+K, P+K+R) newest R   (same slots)
+
+Pages (--page-size ps > 1): paged attention backends read position p of a row from the page
+of row[p - p % ps] at offset p % ps, and the allocator takes back whole pages only. P is
+page-aligned (the radix tree owns whole pages), so the kept tokens fill the candidates' pages
+in order as above. The newest R then follow at P+K:
+  * K and n multiples of ps (the steady cycle when T and R are): their pages move whole, by
+    rewriting the row as at page size 1, and the dropped candidates are whole pages;
+  * otherwise their in-page offsets would not line up: their K/V (every layer and head) is
+    copied into the candidate slots at P+K .. P+K+R, the row keeps its entries, and the pages
+    wholly past the new length, from ceil(P+K+R) on, are freed.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vase_sglang import EvictionConfig, capture
+from vase_sglang import EvictionConfig, capture, ops
 from vase_sglang.policies import POLICIES, AttentionParams
 from vase_sglang.workspace import (ChunkCost, KVShapes, Workspace, chunk_cost, evict_chunk,
                                    plan_chunks, size_workspace)
@@ -77,6 +87,7 @@ class EvictionRuntime:
     # Ring row of each token of the current extend batch (SCRATCH_ROW where not kept); a
     # persistent buffer because recorded prefill graphs read it (vase_sglang.capture).
     token_rows: torch.Tensor | None = None
+    page_size: int = 1  # the allocator's; the step keeps the paged row layout (module doc)
 
     def __post_init__(self):
         k = self.k_buffers[0]
@@ -152,7 +163,7 @@ class EvictionRuntime:
             if kv.kv_committed_len != kv.kv_allocated_len:
                 continue  # only speculative decoding over-allocates; rejected at startup
             private = kv.kv_allocated_len - kv.cache_protected_len
-            if private >= cfg.trigger_len or (early and private > cfg.budget):
+            if private >= cfg.trigger_len or (early and self._early_frees(cfg, private)):
                 _add_to_group(groups, cfg, req, i, private)
         if not groups:
             return 0
@@ -178,6 +189,13 @@ class EvictionRuntime:
             )
         return freed
 
+    def _early_frees(self, cfg, private: int) -> bool:
+        """Whether cutting a request that is not due back to its budget frees memory: with
+        pages, dropping fewer tokens than separate its length from the last page boundary
+        frees nothing, and would lose tokens for no gain."""
+        n = private - cfg.window
+        return private > cfg.budget and freed_slots(n, cfg.keep, cfg.window, self.page_size) > 0
+
     def _evict_group(self, batch, cfg, members, n, sinks, new_lens) -> int:
         """Evict one group; returns the slots freed (a host count: nothing is read back)."""
         reqs = [batch.reqs[i] for i in members]
@@ -202,6 +220,7 @@ class EvictionRuntime:
                                  "in another")
             k = kept
         dropped = n - k
+        freed = freed_slots(n, k, cfg.window, self.page_size)
         if dropped:
             self.stats.tokens_evicted += dropped * len(reqs)
         for i, req in zip(members, reqs):
@@ -218,7 +237,7 @@ class EvictionRuntime:
                 req.skip_radix_cache_insert = True
             new_lens[i] = kv.kv_allocated_len
         self.stats.evictions += len(reqs)
-        return dropped * len(reqs)
+        return freed * len(reqs)
 
     def _evict_requests(self, cfg, n, sinks, l_chunk, rows, starts, request, rounds,
                         first_query) -> int:
@@ -246,12 +265,32 @@ class EvictionRuntime:
                 raise ValueError(f"policy {cfg.policy!r}: kept {keep.shape[-1]} tokens in one "
                                  f"chunk of layers, {k} in another")
             k = keep.shape[-1]  # cfg.keep for the built-in policies; a custom one may keep all
-        self.req_to_token[rows[:, None], starts[:, None] + k + torch.arange(cfg.window, device=device)] = (
-            newest.to(self.req_to_token.dtype)
-        )
-        if k < n:
-            self.allocator.free(slots[:, k:].reshape(-1))
+        if k == n:
+            return k
+        window = cfg.window
+        if _pages_move_whole(n, k, self.page_size):
+            self.req_to_token[rows[:, None], starts[:, None] + k + torch.arange(window, device=device)] = (
+                newest.to(self.req_to_token.dtype)
+            )
+            self._free(slots[:, k:])
+        else:
+            # Copy the newest R into the candidate slots after the kept ones (all layers and
+            # heads alike): keep[j] = n - k + j >= j, the compaction's in-place contract.
+            shift = (n - k) + torch.arange(window, device=device)
+            ops.compact_kv_(self.k_buffers, self.v_buffers, row_slots[:, k:],
+                            shift.expand(len(rows), self.num_layers, self.shapes.kv_heads, window))
+            first_free = _round_up(k + window, self.page_size)
+            self._free(row_slots[:, first_free:_round_up(n + window, self.page_size)])
         return k
+
+    def _free(self, slots: torch.Tensor) -> None:
+        """Give back the pages of `slots` [b, m], columns that start on page boundaries and
+        cover whole pages (a partial last page of the row included)."""
+        if self.page_size == 1:
+            self.allocator.free(slots.reshape(-1))
+        elif slots.shape[1]:
+            # One slot per page: the allocator's free() would dedup with torch.unique, a sync.
+            self.allocator.free_page_ids((slots[:, ::self.page_size] // self.page_size).reshape(-1))
 
     def _plan(self, cfg, n, num_requests) -> tuple[int, int]:
         """(requests, layers) per chunk for this group, from the workspace size (arithmetic
@@ -305,6 +344,25 @@ class EvictionRuntime:
         if getattr(batch, "orig_seq_lens", None) is not None:
             batch.orig_seq_lens = batch.orig_seq_lens - _to_device(delta, batch.orig_seq_lens)
         batch.seq_lens_sum = None
+
+
+def _round_up(x: int, page_size: int) -> int:
+    return -(-x // page_size) * page_size
+
+
+def _pages_move_whole(n: int, k: int, page_size: int) -> bool:
+    """Whether the newest window can move by rewriting the row: its source (column n) and
+    destination (column k) start on page boundaries, so its pages keep their offsets."""
+    return n % page_size == 0 and k % page_size == 0
+
+
+def freed_slots(n: int, k: int, window: int, page_size: int) -> int:
+    """Slots one request gives back when it keeps k of n candidates (whole pages)."""
+    if k == n:
+        return 0
+    if _pages_move_whole(n, k, page_size):
+        return n - k
+    return _round_up(n + window, page_size) - _round_up(k + window, page_size)
 
 
 def _pinned(device: torch.device) -> bool:
@@ -392,7 +450,8 @@ def request_config(req) -> EvictionConfig | None:
         setattr(req, CONFIG, cached)
     if cached is _UNSET:
         try:
-            cached = request_control.effective_config(req.sampling_params.custom_params, rt.cfg)
+            cached = request_control.effective_config(req.sampling_params.custom_params, rt.cfg,
+                                                      rt.page_size)
         except ValueError as err:
             # The tokenizer manager rejects these with HTTP 400; only a path that skips
             # SamplingParams.verify gets here. Serve it with the server's settings.

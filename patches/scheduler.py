@@ -41,7 +41,9 @@ def around_update_running_batch(original, self, batch):
             # back to it rather than let the original retract: a retracted compacted request
             # must re-prefill its whole true length.
             freed = rt.evict(batch, skip=finishing, early=True)
-            logger.debug("next decode step did not fit: early eviction freed %d slots", freed)
+            # INFO like SGLang's own "KV cache pool is full. Retract requests." line.
+            logger.info("KV cache pool short for the next decode step: early eviction freed "
+                        "%d slots", freed)
     return original(self, batch)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from vase_sglang.config import check_page_size
+
 from . import settings, supported
 
 TARGET_ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
@@ -46,6 +48,12 @@ def check_server_args(server_args, cfg) -> None:
                     "(docs/supported.md) or turn eviction off.")
         problems.append(f"{flag}={value} is not supported with "
                         f"{settings.flag_name('policy')}={cfg.policy}: {why}. {fix}")
+    page_size = server_args.page_size or 1
+    try:
+        check_page_size(cfg, page_size)
+    except ValueError as err:
+        problems.append(f"{settings.flag_name('window')}={cfg.window} does not fit "
+                        f"--page-size={page_size}: {str(err).split(': ', 1)[1]}.")
     mrope = _mrope_architecture(server_args)
     if mrope:
         problems.append(
@@ -73,6 +81,9 @@ def after_resolve_once(result, server_args):
     cfg = settings.config_from_env()
     if cfg is not None and cfg.evicts:
         check_server_args(server_args, cfg)
+        # Per-request settings are checked against the pages in the tokenizer manager,
+        # which may run in a spawned process: the environment reaches it.
+        os.environ[settings.PAGE_SIZE_ENV] = str(server_args.page_size or 1)
 
 
 HOOKS = [

@@ -25,9 +25,12 @@ FLAGS = {
     "policy": ("policy", str, f"KV eviction policy during decode: {', '.join(POLICY_NAMES)}. "
                "Unset or 'full' keeps the whole cache (stock SGLang)."),
     "budget": ("budget", int, "Tokens kept per layer and KV head after an eviction, including "
-               "the recent window (VaSE's T). Default 1024."),
+               "the recent window (VaSE's T). Default 1024. With --page-size P a request's "
+               "private cache cycles between ceil(T/P) and ceil((T+R)/P) pages; multiples of "
+               "P move no K/V at eviction."),
     "window": ("window", int, "Newest tokens always kept; eviction runs every `window` decode "
-               "tokens once the private cache holds budget + window. Default 64."),
+               "tokens once the private cache holds budget + window. Default 64. Must be at "
+               "least --page-size (each eviction frees whole pages)."),
     "value-slots": ("value_slots", int, "vase-attnv: slots reserved for the largest value "
                     "ranges. Default budget/4."),
     "sinks": ("sinks", int, "First tokens of the sequence always kept. Default 4."),
@@ -37,6 +40,15 @@ FLAGS = {
                      "requests to stay inside it). Default: sized for 64 requests of one layer "
                      "at the configured budget; the size is logged at startup."),
 }
+
+
+# The server's KV page size, exported at startup validation (server_args.after_resolve_once)
+# for the per-request checks (request_control); not a setting.
+PAGE_SIZE_ENV = "VASE_KV_PAGE_SIZE"
+
+
+def page_size_from_env(environ=os.environ) -> int:
+    return int(environ.get(PAGE_SIZE_ENV) or 1)
 
 
 def env_name(suffix: str) -> str:

@@ -103,21 +103,27 @@ NEUTRAL = {
 
 BOTH = (False, True)
 # Attention backends whose MHA path builds each step's metadata from req_to_token and
-# seq_lens at page size 1 (what compaction rewrites), with no slot order of its own:
-# torch_native (CPU, tested in CI); on CUDA, read in SGLang 0.5.23 but not run here: fa3
-# (the Hopper default; flashattention_backend.py page_table = req_to_token[rows, :max_len]),
-# flashinfer and triton (create_flashinfer_kv_indices_triton over req_to_token / seq_lens).
-# Not: trtllm_mha (the B200 default; needs page size 16+), aiter, flashmla/MLA backends, fa4.
-ATTENTION_BACKENDS = (None, "torch_native", "fa3", "flashinfer", "triton")
+# seq_lens (what compaction rewrites), reading a row's pages at its page-start entries
+# (req_to_token[row, ::page_size] // page_size) with no slot order of their own:
+# torch_native (CPU, tested in CI at page sizes 1 and 16); on CUDA, read in SGLang 0.5.23 but
+# not run here: fa3 (the Hopper default; flashattention_backend.py page_table, strided by the
+# page size), flashinfer and triton (create_flashinfer_kv_indices_triton over req_to_token /
+# seq_lens), trtllm_mha (the Blackwell default, page size 16/32/64;
+# kernels/ops/attention/trtllm_mha_page_table.py reads the slot at each page boundary).
+# Not: aiter, flashmla/MLA backends, fa4.
+ATTENTION_BACKENDS = (None, "torch_native", "fa3", "flashinfer", "triton", "trtllm_mha")
 
 ALLOWED = {
     "device": Allowed(("cpu", "cuda"), "tested on CPU; the CUDA path is read, not run here"),
     "attention_backend": Allowed(ATTENTION_BACKENDS[1:], "only attention backends that read "
-                                 "req_to_token and seq_lens at page size 1 are supported"),
+                                 "each step's pages from req_to_token and seq_lens are "
+                                 "supported"),
     "decode_attention_backend": Allowed(ATTENTION_BACKENDS, "see --attention-backend"),
     "prefill_attention_backend": Allowed(ATTENTION_BACKENDS, "see --attention-backend"),
-    "page_size": Allowed((1,), "only page size 1 is supported (compaction keeps tokens, "
-                         "not pages)"),
+    # Any page size: the step keeps the paged row layout and frees whole pages
+    # (patches/runtime.py); tested at 1 and 16; --kv-evict-window must be >= it.
+    "page_size": Allowed(None, "tested at 1 and 16 (tests/test_paged.py); "
+                         "--kv-evict-window must be at least one page"),
     "kv_cache_dtype": Allowed(("auto", "bf16", "bfloat16", "float16", "float32"),
                               "scores need plain floating-point K/V"),
     "disable_radix_cache": Allowed(BOTH, ""),  # both tested

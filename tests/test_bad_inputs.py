@@ -35,7 +35,8 @@ LAUNCH_CASES = [
     (POLICY + ["--kv-evict-sinks", "-2"], {}, "--kv-evict-sinks: must be >= 0"),
     (POLICY + ["--kv-evict-seed", "x"], {}, "--kv-evict-seed: expected an integer"),
     (["--kv-evict-budget", "128"], {}, "--kv-evict-budget: set --kv-evict-policy too"),
-    (POLICY + ["--page-size", "16"], {}, "--page-size=16 is not supported"),
+    (POLICY + ["--page-size", "16", "--kv-evict-window", "8"], {},
+     "--kv-evict-window=8 does not fit --page-size=16: must be >= the page size (16)"),
     (POLICY + ["--enable-mixed-chunk"], {}, "--enable-mixed-chunk=True is not supported"),
     (POLICY + ["--kv-cache-dtype", "fp8_e4m3"], {}, "--kv-cache-dtype=fp8_e4m3 is not supported"),
     # The allowlist (patches/supported.py): a few real launches; the many flags are checked
@@ -155,9 +156,9 @@ SUPPORTED_FLAGS = [  # each must pass: what the tests, benchmarks and README use
     ["--dp-size", "2"], ["--tp-size", "2"], ["--kv-cache-dtype", "bfloat16"],
     ["--retraction-policy", "priority"],
     ["--cuda-graph-backend-decode", "disabled"], ["--attention-backend", "triton"],
+    ["--page-size", "16"], ["--page-size", "64"],
 ]
 REFUSED_FLAGS = [  # (flags, the fields named); the first group is refused with a reason
-    (["--page-size", "16"], ["page_size"]),
     (["--enable-streaming-session"], ["enable_streaming_session"]),
     (["--dcp-size", "2"], ["dcp_size"]),
     (["--pp-size", "2"], ["pp_size"]),
@@ -166,8 +167,7 @@ REFUSED_FLAGS = [  # (flags, the fields named); the first group is refused with 
     (["--speculative-algorithm", "NGRAM"], ["speculative_algorithm"]),
     (["--disaggregation-mode", "decode"], ["disaggregation_mode"]),
     (["--enable-hierarchical-cache"], ["enable_hierarchical_cache"]),
-    # flashmla makes SGLang choose page size 64, refused although the user did not set it
-    (["--attention-backend", "flashmla"], ["page_size", "attention_backend"]),
+    (["--attention-backend", "flashmla"], ["attention_backend"]),
     # ...and flags never tested with eviction: any value but SGLang's default
     (["--enable-torch-compile"], ["enable_torch_compile"]),
     (["--num-continuous-decode-steps", "4"], ["num_continuous_decode_steps"]),
@@ -221,10 +221,26 @@ def test_unsupported_settings_are_refused_naming_the_flag(resolved, flags, field
     for name in fields:
         assert f"{supported.flag(name)}=" in str(err.value)
     assert f"{flags[0]}=" in str(err.value) and "Drop " + flags[0] in str(err.value)
-    if "page_size" in fields and "--page-size" not in flags:
-        assert ("--page-size=64 is not supported with --kv-evict-policy=snapkv: only page size "
-                "1 is supported (compaction keeps tokens, not pages). SGLang chose it for this "
-                "launch; set --page-size to a supported value") in str(err.value)
+
+
+@pytest.mark.parametrize("page,window,ok", [(16, 16, True), (16, 8, False), (64, 48, False),
+                                            (64, 64, True)])
+def test_a_window_below_one_page_is_refused_naming_both_flags(resolved, page, window, ok):
+    """Each eviction drops `window` tokens and the allocator takes back whole pages: a window
+    below one page would mostly free nothing."""
+    args = resolved(["--page-size", str(page)])
+    cfg = EvictionConfig(policy="snapkv", budget=128, window=window)
+    if ok:
+        server_args_hooks.check_server_args(args, cfg)
+        assert effective_config({"kv_evict": {"window": window}}, cfg, page) == cfg
+        return
+    with pytest.raises(ValueError, match=f"--kv-evict-window={window} does not fit "
+                                         f"--page-size={page}: must be >= the page size"):
+        server_args_hooks.check_server_args(args, cfg)
+    # Per request (HTTP 400 in the tokenizer manager), against the server's page size.
+    ok_cfg = cfg.replace(window=page)
+    with pytest.raises(ValueError, match=r"kv_evict\.window: must be >= the page size"):
+        effective_config({"kv_evict": {"window": window}}, ok_cfg, page)
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,10 @@ def test_bound_uses_the_prompt_lengths_the_server_saw():
     before, after = cs.metric_sums(metrics_text(prompts=[30])), cs.metric_sums(metrics_text(prompts=[30, *lens]))
     assert cs.server_prompt_lengths(result, before, after) == lens
     assert cs.concurrency_bound(4096, lens, 192, 64) == 4096 / (100 + 192 + 64)
+    # Pages of 16: the tree holds whole prompt pages (64, 128, 96, 96), the private cycle's
+    # top is T + R = 256 tokens, 16 pages; with T + R = 250 it still takes 16 pages.
+    assert cs.concurrency_bound(4096, lens, 192, 64, page_size=16) == 4096 / (96 + 256)
+    assert cs.concurrency_bound(4096, lens, 190, 60, page_size=16) == 4096 / (96 + 256)
     with pytest.raises(MissingMeasurement, match="disagrees"):
         cs.server_prompt_lengths({"completed": 4, "input_lens": [64] * 4}, before, after)
     with pytest.raises(MissingMeasurement, match="input_lens"):
@@ -129,6 +133,15 @@ def _row(arm, tput, peak, mean, share=None, bound=10.0):
             "peak_running": peak, "mean_running": mean, "bound": bound, "prompt_tokens_mean": 100.0,
             "median_ttft_ms": 1.0, "median_itl_ms": 1.0, "p99_itl_ms": 1.0, "peak_kv_tokens": 1,
             "retracted_requests": 0, "eviction_time_share": share}
+
+
+def test_page_sizes_are_summarized_against_their_own_stock_arm():
+    rows = ([_row("full@N", 100, 3, 3.0)] + [_row("vase-attnv@N", 300, 9, 9.0, 0.01)]
+            + [_row("full@N p16", 90, 3, 3.0)] + [_row("vase-attnv@N p16", 180, 8, 8.0, 0.02)])
+    summary = cs.summarize(rows, ["vase-attnv"], [1, 16])
+    assert summary["vase-attnv"]["throughput_over_full"]["median"] == 3.0
+    assert summary["vase-attnv p16"]["throughput_over_full"]["median"] == 2.0
+    assert summary["vase-attnv p16"]["eviction_time_share"]["median"] == 0.02
 
 
 def test_a_ratio_is_bold_only_when_the_runs_ranges_do_not_overlap():

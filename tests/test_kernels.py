@@ -227,6 +227,27 @@ def test_compaction_keep_shifted_by_one():
     _check_compaction(b, num_layers, h, n, 64, keep, torch.float32, torch.int64)
 
 
+@pytest.mark.parametrize("shift", [5, 40, 70])
+def test_compaction_moves_the_newest_window_as_paged_eviction_does(shift):
+    """Paged eviction copies the newest R tokens of every layer and head forward by `shift`
+    candidates (patches/runtime.py): keep = shift + arange(R), expanded with stride 0, on a
+    column slice of the row's slots. shift < R overlaps sources and destinations, across
+    the kernel's 32-wide blocks when R > 32."""
+    b, num_layers, h, window, d = 2, 3, 2, 48, 64
+    row_slots = torch.randperm(3 * b * 200 + 5, generator=torch.Generator().manual_seed(shift))
+    row_slots = row_slots[: b * (30 + shift + window)].view(b, -1)
+    slots = row_slots[:, 30:]  # the candidates after the K = 30 kept ones: a strided view
+    keep = (shift + torch.arange(window)).expand(b, num_layers, h, window)
+    bufs = _pool(num_layers, 3 * b * 200 + 5, h, d, torch.bfloat16, seed=shift)
+    expected = [t.clone() for t in bufs]
+    newest = [t[row_slots[:, -window:]].clone() for t in bufs]  # [b, R, H, D] before the move
+    compact_kv_reference_(expected[:num_layers], expected[num_layers:], slots, keep)
+    compact_kv_triton_(bufs[:num_layers], bufs[num_layers:], slots, keep)
+    for got, want, moved in zip(bufs, expected, newest):
+        assert torch.equal(_bits(got), _bits(want))
+        assert torch.equal(_bits(got[slots[:, :window]]), _bits(moved))
+
+
 # ---------------------------------------------------------------- backend dispatch
 
 

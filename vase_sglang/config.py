@@ -4,7 +4,9 @@ Vocabulary (kept identical in the SGLang flags `--kv-evict-*`):
   budget        T  tokens a request keeps per layer and KV head after an eviction, *including*
                    the newest `window` tokens (the paper's token budget).
   window        R  newest tokens always kept; eviction runs every R decode tokens once the cache
-                   holds T + R tokens, so the footprint cycles between T and T + R.
+                   holds T + R tokens, so the footprint cycles between T and T + R. With
+                   pages of ps tokens it cycles between ceil(T / ps) and ceil((T + R) / ps)
+                   pages; R >= ps (check_page_size), and T, R multiples of ps move no K/V.
   value_slots   N_v  (vase-attnv only) slots always given to the largest Range(v)=max(v)-min(v);
                    default T/4 as in every official VaSE script.
   sinks         first tokens of the sequence that are always kept.
@@ -124,3 +126,15 @@ class EvictionConfig:
 
     def replace(self, **changes) -> "EvictionConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_page_size(cfg: EvictionConfig, page_size: int) -> None:
+    """Refuse settings a KV pool of `page_size`-token pages cannot serve well. An eviction
+    drops `window` tokens and the allocator takes back whole pages only: with a window below
+    one page most evictions would free nothing. Raises ValueError naming the field."""
+    if cfg.evicts and cfg.window < page_size:
+        raise ValueError(
+            f"window: must be >= the page size ({page_size}) so that each eviction frees at "
+            f"least one page of {page_size} tokens, got {cfg.window}; multiples of the page "
+            f"size for both budget and window move no K/V at eviction"
+        )

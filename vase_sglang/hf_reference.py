@@ -3,6 +3,8 @@
 It is the yardstick of engine faithfulness (served logprobs vs this loop) and the engine of
 teacher-forced fidelity measurements. Semantics mirrored from the plugin:
   - the prompt is the protected prefix (the radix tree owns it) unless protect_prompt=False;
+    with KV pages of `page_size` tokens the tree owns whole pages only, so the prompt's partial
+    last page is private (a candidate like the generated tokens);
   - before decoding a token (not right after the prefill), if the private cache holds n + window tokens with n >= budget,
     the policy keeps budget - window of the n oldest private tokens per (layer, KV head);
   - the window queries are the post-RoPE queries of the last `window` processed positions;
@@ -41,10 +43,12 @@ def attention_params(model) -> AttentionParams:
 
 
 class ReferenceDecoder:
-    def __init__(self, model, cfg: EvictionConfig, *, protect_prompt: bool = True):
+    def __init__(self, model, cfg: EvictionConfig, *, protect_prompt: bool = True,
+                 page_size: int = 1):
         self.model = model.eval()
         self.cfg = cfg
         self.protect_prompt = protect_prompt
+        self.page_size = page_size
         self._queries: list[torch.Tensor] = []
         self.attention = attention_params(model)
         arch = type(model).__module__
@@ -85,7 +89,7 @@ class ReferenceDecoder:
         cache = DynamicCache()
         window_q: list[list[torch.Tensor]] = []  # per layer: recent [H_q, D] queries
         tokens, logprobs = [], []
-        prefix = len(prompt_ids) if self.protect_prompt else 0
+        prefix = len(prompt_ids) // self.page_size * self.page_size if self.protect_prompt else 0
         offset = rounds = 0
         with self._record_queries():
             ids = torch.tensor([list(prompt_ids)])

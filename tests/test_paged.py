@@ -1,0 +1,321 @@
+"""Eviction with paged KV (--page-size 16) in real SGLang servers on CPU (tiny fp32 Qwen3,
+radix cache on, overlap scheduler on, strict memory checks on: conservation every busy step,
+page ownership, the idle leak check).
+
+Settings: budget 48 and window 16 are multiples of the page, so the server's own evictions
+move whole pages of the newest window by rewriting the row; a request's own budget 40 (keep
+24: not a page multiple) takes the other path, a copy of the newest window into the
+candidates' pages (patches/runtime.py). Prompts are not page multiples unless said: their
+partial last page is private and evicted like generated tokens.
+"""
+
+import json
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from servers import Server
+from vase_sglang import EvictionConfig
+from vase_sglang.hf_reference import ReferenceDecoder
+
+PAGE, BUDGET, WINDOW = 16, 48, 16
+COPY = {"budget": 40}  # keep 24: the newest window is copied, not moved by pages
+TOL = 1e-4  # fp32 on both sides; the page-1 test's tolerance
+torch.set_num_threads(1)
+
+
+def _args(page, *extra):
+    return ["--dtype", "float32", "--page-size", str(page), "--kv-evict-policy", "snapkv",
+            "--kv-evict-budget", str(BUDGET), "--kv-evict-window", str(WINDOW),
+            "--kv-evict-seed", "5", *extra]
+
+
+def _round_up(x, page=PAGE):
+    return -(-x // page) * page
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_fp32):
+    return AutoTokenizer.from_pretrained(tiny_model_fp32)
+
+
+@pytest.fixture(scope="module")
+def paged_server(tiny_model_fp32):
+    with Server(tiny_model_fp32, _args(PAGE, "--decode-log-interval", "1")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_fp32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32)
+
+
+def _served(server, prompt_ids, n, seed=77, kv_evict=None):
+    sampling = {"ignore_eos": True, "sampling_seed": seed}
+    if kv_evict is not None:
+        sampling["custom_params"] = {"kv_evict": kv_evict}
+    out = server.generate(input_ids=prompt_ids, max_new_tokens=n, return_logprob=True,
+                          sampling_params=sampling)
+    return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
+
+
+def _served_together(server, prompt, requests: dict, n):
+    """Every (name -> kv_evict) request in flight at once: decode batches mix them."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = {name: pool.submit(_served, server, prompt, n, kv_evict=kv)
+                   for name, kv in requests.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def _reference(model, policy, prompt_ids, forced, request_key=77, budget=BUDGET, page=PAGE):
+    cfg = EvictionConfig(policy=policy, budget=budget, window=WINDOW, seed=5)
+    return ReferenceDecoder(model, cfg, page_size=page).run(
+        prompt_ids, forced_ids=forced, request_key=request_key)
+
+
+def _max_diff(a, b):
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+FAITHFUL = ["snapkv", "vase-attnv", "vase-dkv", "streaming"]
+RANDOMISED = {"vase-attnv", "vase-dkv"}
+N_FAITHFUL = 200
+
+
+@pytest.fixture(scope="module")
+def served_per_policy(paged_server, tokenizer):
+    prompt = tokenizer("KV cache eviction policy radix tree pages")["input_ids"]
+    assert len(prompt) % PAGE, "the prompt's partial last page must be private"
+    requests = {}
+    for policy in FAITHFUL:
+        requests[(policy, "pages")] = {"policy": policy}
+        requests[(policy, "copy")] = {"policy": policy, **COPY}
+    served = _served_together(paged_server, prompt, requests, N_FAITHFUL)
+    paged_server.wait_idle_checked()
+    return prompt, served
+
+
+@pytest.mark.parametrize("path", ["pages", "copy"])
+@pytest.mark.parametrize("policy", FAITHFUL)
+def test_paged_faithful_to_transformers_reference(served_per_policy, hf_model, policy, path):
+    """Served logprobs at page size 16 against the transformers loop with the same eviction
+    (the tree owns the prompt's whole pages only), teacher-forced on the served tokens."""
+    prompt, served = served_per_policy
+    tokens, logprobs, meta = served[(policy, path)]
+    budget = COPY["budget"] if path == "copy" else BUDGET
+    assert len(tokens) == N_FAITHFUL
+    ref = _reference(hf_model, policy, prompt, tokens, budget=budget)
+    assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"] > 0
+    assert _max_diff(logprobs, ref["logprobs"]) < TOL
+    # Negative controls: another random stream, or the page-1 schedule (the whole prompt
+    # protected), which keeps other tokens.
+    if policy in RANDOMISED:
+        other = _reference(hf_model, policy, prompt, tokens, request_key=78, budget=budget)
+        assert _max_diff(logprobs, other["logprobs"]) > 1e-2
+    other = _reference(hf_model, policy, prompt, tokens, budget=budget, page=1)
+    assert _max_diff(logprobs, other["logprobs"]) > 1e-2
+
+
+def _token_usage(log):
+    import re
+
+    return [int(m) for m in re.findall(r"Decode batch.*?#token: (\d+)", log)]
+
+
+def test_paged_footprint_is_whole_pages_within_the_page_rounded_bound(paged_server, tokenizer):
+    """One request: the tree's whole prompt pages plus at most ceil((T + R) / page) private
+    pages, and the pool's used count (whole pages) falls back by a page at every eviction."""
+    prompt = tokenizer("0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20")["input_ids"]
+    before = len(_token_usage(paged_server.output()))
+    tokens, _, meta = _served(paged_server, prompt, 300)
+    usage = _token_usage(paged_server.output())[before:]
+    assert len(tokens) == 300 and meta["kv_evicted_tokens"] > 200
+    assert all(u % PAGE == 0 for u in usage), usage
+    tree = len(prompt) // PAGE * PAGE
+    assert max(usage) <= tree + _round_up(BUDGET + WINDOW), usage
+    assert any(b < a for a, b in zip(usage, usage[1:])), "evictions must give pages back"
+    paged_server.wait_idle_checked()
+
+
+def test_paged_shared_prefix_over_several_pages_stays_cached(paged_server, tokenizer):
+    common = "KV cache eviction policy radix tree prefix sharing memory pool token " * 5
+    suffixes = [" The quick brown fox", " Hello world!", " 0 1 2 3", " Paris is the capital"]
+    prompts = [tokenizer(common + s)["input_ids"] for s in suffixes]
+    shared_pages = len(tokenizer(common)["input_ids"]) // PAGE
+    assert shared_pages >= 3
+    alone = [_served(paged_server, p, 120)[0] for p in prompts]
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = _served(paged_server, prompts[i], 120)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (tokens, _, meta) in enumerate(results):
+        assert tokens == alone[i], f"request {i} differs when run with the others"
+        assert meta["kv_evicted_tokens"] > 0
+        assert meta["cached_tokens"] >= shared_pages * PAGE
+    # The shared pages were not rewritten by the evictions: cached once more, every prompt
+    # still gives its original output.
+    for i, p in enumerate(prompts):
+        tokens, _, meta = _served(paged_server, p, 120)
+        # SGLang matches at most len - 1 tokens (one must be computed), in whole pages.
+        assert meta["cached_tokens"] == (len(p) - 1) // PAGE * PAGE
+        assert tokens == alone[i]
+    paged_server.wait_idle_checked()
+
+
+def test_paged_abort_mid_generation_frees_every_page(paged_server, tokenizer):
+    prompt = tokenizer("KV cache eviction")["input_ids"]
+    before = _served(paged_server, prompt, 60)[0]
+    payload = {"input_ids": prompt, "stream": True, "rid": "abort-paged",
+               "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True,
+                                   "custom_params": {"kv_evict": COPY}}}
+    req = urllib.request.Request(paged_server.url + "/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    seen = 0
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        for line in stream:
+            if line.startswith(b"data:") and b"[DONE]" not in line:
+                seen = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                if seen > BUDGET + 4 * WINDOW:
+                    paged_server.post("/abort_request", {"rid": "abort-paged"})
+                    break
+    assert seen > BUDGET + WINDOW
+    paged_server.wait_idle_checked()
+    used = sum(int(x["num_used_tokens"]) for x in paged_server.get("/v1/loads")["loads"])
+    assert used == 0
+    assert _served(paged_server, prompt, 60)[0] == before
+
+
+def test_window_below_the_page_is_refused_per_request(paged_server, tokenizer):
+    status, body = paged_server.post_status("/generate", {
+        "input_ids": tokenizer("Hello")["input_ids"],
+        "sampling_params": {"max_new_tokens": 4, "custom_params": {"kv_evict": {"window": 8}}}})
+    assert status == 400 and "kv_evict.window" in json.dumps(body), body
+    assert "page size (16)" in json.dumps(body)
+
+
+# -- page 16 against page 1 and against stock ------------------------------------------------
+
+EQUAL = ["snapkv", "vase-attnv", "vase-dkv", "streaming"]
+N_EQUAL = 150
+
+
+def _equal_requests():
+    requests = {}
+    for policy in EQUAL:
+        requests[(policy, "pages")] = {"policy": policy}
+        requests[(policy, "copy")] = {"policy": policy, **COPY}
+    return requests
+
+
+@pytest.fixture(scope="module")
+def page_multiple_prompt(tokenizer):
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"][:2 * PAGE]
+    assert len(ids) == 2 * PAGE
+    return ids
+
+
+def test_page_16_equals_page_1_where_the_schedules_coincide(tiny_model_fp32, paged_server,
+                                                            page_multiple_prompt):
+    """With a prompt of whole pages the tree owns the same prefix at both page sizes, so the
+    evictions run at the same steps over the same candidates: the same tokens and logprobs
+    (fp32), through both the page-moving and the copying path."""
+    paged = _served_together(paged_server, page_multiple_prompt, _equal_requests(), N_EQUAL)
+    paged_server.wait_idle_checked(1)
+    with Server(tiny_model_fp32, _args(1)) as server:
+        flat = _served_together(server, page_multiple_prompt, _equal_requests(), N_EQUAL)
+        server.wait_idle_checked(1)
+    for key in paged:
+        tokens, logprobs, meta = paged[key]
+        assert meta["kv_evicted_tokens"] > 2 * WINDOW, key
+        assert tokens == flat[key][0], key
+        assert meta["kv_evicted_tokens"] == flat[key][2]["kv_evicted_tokens"], key
+        assert _max_diff(logprobs, flat[key][1]) < TOL, key
+
+
+def test_paged_budget_never_reached_is_identical_to_stock(tiny_model_fp32, paged_server,
+                                                          tokenizer):
+    prompts = [tokenizer(t)["input_ids"] for t in
+               ("Hello world, the capital of France is", "0 1 2 3 4 5 6 7 8 9 10",
+                "KV cache eviction policy radix tree prefix sharing memory pool token " * 3)]
+
+    def greedy(server):
+        # The private cache (the prompt's partial page + the output) stays below T + R.
+        outs = [server.generate(input_ids=p, max_new_tokens=BUDGET + WINDOW - 2 - len(p) % PAGE)
+                for p in prompts]
+        return [o["output_ids"] for o in outs], [o["meta_info"].get("kv_evicted_tokens") for o in outs]
+
+    evicting, evicted = greedy(paged_server)
+    assert evicted == [0] * len(prompts)
+    with Server(tiny_model_fp32, ["--dtype", "float32", "--page-size", str(PAGE)]) as stock:
+        assert greedy(stock)[0] == evicting
+        stock.wait_idle_checked(1)
+
+
+# -- admission, early eviction and retraction on a small paged pool ---------------------------
+
+POOL, N_CAPPED, N_FULL, MAX_NEW = 1024, 12, 4, 240
+
+
+def test_paged_admission_early_eviction_and_retraction(tiny_model_fp32):
+    """Admission charges whole pages: on a 1024-token pool, requests with a private cycle of
+    4..5 pages run several times more at once than stock would admit. Four requests with
+    eviction off and no ignore_eos come first; with --schedule-conservativeness 0.05 SGLang
+    reserves little of their growth (it expects early stops), they do not stop, and the pool
+    runs short: requests over budget are evicted early (only where that frees a page), then
+    SGLang retracts. Every request completes; the strict checks and the idle leak check pass."""
+    import re
+
+    from vase_sglang_patches.admission import charge_len
+
+    budget, window = 64, 16
+    args = ["--dtype", "float32", "--page-size", str(PAGE), "--kv-evict-policy", "vase-attnv",
+            "--kv-evict-budget", str(budget), "--kv-evict-window", str(window),
+            "--decode-log-interval", "1", "--schedule-conservativeness", "0.05"]
+    capped = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    full = {"max_new_tokens": MAX_NEW, "temperature": 0, "custom_params": {"kv_evict": False}}
+    with Server(tiny_model_fp32, args, max_total_tokens=POOL) as server:
+        out = server.post("/generate", {
+            "text": [f"Request number {i}: the quick brown fox" for i in range(N_FULL + N_CAPPED)],
+            "sampling_params": [full] * N_FULL + [capped] * N_CAPPED})
+        server.wait_idle_checked()
+        used = sum(int(x["num_used_tokens"]) for x in server.get("/v1/loads")["loads"])
+        log = server.output()
+
+    full_out, capped_out = out[:N_FULL], out[N_FULL:]
+    assert [len(o["output_ids"]) for o in capped_out] == [MAX_NEW] * N_CAPPED
+    assert all(o["meta_info"]["kv_evicted_tokens"] == 0 for o in full_out)
+    assert all(o["meta_info"]["kv_evicted_tokens"] > 0 for o in capped_out)
+    assert used == 0
+    charge = charge_len(EvictionConfig(policy="vase-attnv", budget=budget, window=window), PAGE)
+    assert charge % PAGE == 0 and _round_up(budget) <= charge <= _round_up(budget + window)
+    prompt = capped_out[0]["meta_info"]["prompt_tokens"]
+    peak = max(int(m) for m in re.findall(r"Decode batch.*?#running-req: (\d+)", log))
+    stock = POOL // (prompt + MAX_NEW + PAGE)  # what stock reserves for a capped request
+    assert peak >= 2 * stock, (peak, stock)
+    early = [int(m) for m in re.findall(r"early eviction freed (\d+) slots", log)]
+    assert early and max(early) >= PAGE and all(f % PAGE == 0 for f in early), early
+    assert sum(o["meta_info"]["num_retractions"] for o in out) > 0
+
+
+def test_freed_slots_are_whole_pages_past_the_new_length():
+    from vase_sglang_patches.runtime import freed_slots
+
+    # Page multiples: the newest window's pages move, the dropped candidates are whole pages.
+    assert freed_slots(n=64, k=48, window=16, page_size=16) == 16
+    # Otherwise the pages wholly past the new length k + window go back.
+    assert freed_slots(n=40, k=24, window=16, page_size=16) == 16  # 56 -> 40 tokens: 4 -> 3 pages
+    assert freed_slots(n=37, k=32, window=16, page_size=16) == 0  # 53 -> 48: still 4 pages
+    assert freed_slots(n=40, k=40, window=16, page_size=16) == 0
+    assert freed_slots(n=37, k=32, window=8, page_size=1) == 5
