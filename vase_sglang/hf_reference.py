@@ -60,7 +60,7 @@ class ReferenceDecoder:
     @staticmethod
     def _gates_for(model, cfg, gates):
         if gates is None:
-            if POLICIES[cfg.policy].needs_retention:
+            if cfg.evicts and POLICIES[cfg.policy].needs_retention:
                 raise ValueError(f"gates: policy {cfg.policy!r} needs retention gates (a file from "
                                  f"`python -m vase_sglang.retention train`)")
             return None
