@@ -248,3 +248,32 @@ def test_reference_trimkv_matches_a_replay_of_the_definition(fp32_model, tmp_pat
     stream = ReferenceDecoder(fp32_model, cfg.replace(policy="streaming", value_slots=None),
                               protect_prompt=protect_prompt)
     assert stream.run(prompt, max_new_tokens=steps)["logprobs"] != out["logprobs"]
+
+
+# ---------------------------------------------------------------- servers refuse trimkv
+
+
+def test_servers_refuse_trimkv_at_startup_and_per_request():
+    """Not served yet (the gate, its side buffer and --kv-evict-retention-gates are not
+    built): a launch flag naming it fails like argparse, a request asking for it gets the
+    ValueError that SGLang answers with HTTP 400."""
+    from vase_sglang_patches.request_control import effective_config
+    from vase_sglang_patches.settings import config_from_values
+
+    with pytest.raises(ValueError, match="--kv-evict-policy: trimkv is not served yet"):
+        config_from_values({"policy": "trimkv", "budget": "64", "window": "16"})
+    server = config_from_values({"policy": "vase-attnv", "budget": "64", "window": "16"})
+    with pytest.raises(ValueError, match="kv_evict.policy: 'trimkv' needs retention gates"):
+        effective_config({"kv_evict": {"policy": "trimkv"}}, server)
+    assert effective_config({"kv_evict": {"policy": "snapkv"}}, server).policy == "snapkv"
+
+
+def test_launch_server_refuses_trimkv(tiny_model):
+    """The same refusal on a real `python -m sglang.launch_server` (the plugin's flag check)."""
+    from servers import run_launch_server_expect_failure
+
+    code, output = run_launch_server_expect_failure(
+        tiny_model, ["--kv-evict-policy", "trimkv", "--kv-evict-budget", "64", "--kv-evict-window", "16"])
+    assert code != 0
+    assert "--kv-evict-policy: trimkv is not served yet" in output, output[-3000:]
+    assert "fired up and ready" not in output
