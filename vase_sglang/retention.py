@@ -583,14 +583,15 @@ def train(cfg: TrainConfig, out, *, progress=None, log=print) -> dict:
                             model_path=str(path), memory_size=cfg.memory, steps=cfg.steps,
                             seed=cfg.seed, task=cfg.task, problems=cfg.problems)
     (out / "history.json").write_text(json.dumps(history, indent=0))
-    plot_history(history, out / "loss.png", title=f"{cfg.model}: M={cfg.memory}")
+    plot_history(history, out / "loss.png", title=f"{Path(cfg.model).name}: M={cfg.memory}",
+                 memory=cfg.memory)
     summary = {"gates": str(gates_path), "steps": cfg.steps, "first": history[0] if history else None,
                "last": history[-1] if history else None}
     log(json.dumps(summary))
     return summary
 
 
-def plot_history(history: list[dict], path: Path, title: str = "") -> None:
+def plot_history(history: list[dict], path: Path, title: str = "", memory: int = 0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -599,12 +600,15 @@ def plot_history(history: list[dict], path: Path, title: str = "") -> None:
     steps = [r["step"] for r in history]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     for key in ("loss", "kl", "capacity"):
-        ax.plot(steps, [max(r[key], 1e-12) for r in history], label=key)
-    ax.set_yscale("log")
+        ax.plot(steps, [r[key] for r in history], label=key)
+    ax.set_yscale("symlog", linthresh=1e-3)  # the capacity term is often exactly 0
     ax.set_xlabel("step")
     ax.legend()
     ax.set_title(title or "retention gates")
     ax2.plot(steps, [r["retained"] for r in history])
+    if memory:
+        ax2.axhline(memory, color="gray", linestyle="--", label=f"M = {memory}")
+        ax2.legend()
     ax2.set_xlabel("step")
     ax2.set_ylabel("expected tokens kept per head (last position)")
     fig.tight_layout()
