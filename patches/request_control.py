@@ -77,6 +77,9 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None,
         raise ValueError(f"{KEY}.{err}") from None  # EvictionConfig names the field first
 
     policy = POLICIES[cfg.policy]
+    if policy.needs_retention:
+        _fail("policy", f"{cfg.policy!r} needs retention gates, which no server loads yet "
+                        f"(issue 15)")
     if policy.needs_queries:
         # The query ring is sized (and only allocated) for the server's policy and window.
         if not POLICIES[server.policy].needs_queries:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from vase_sglang import POLICY_NAMES, EvictionConfig
+from vase_sglang import POLICIES, POLICY_NAMES, EvictionConfig
 
 # flag suffix -> (EvictionConfig field, type, help)
 FLAGS = {
@@ -79,12 +79,17 @@ def config_from_values(values: dict[str, object], source=flag_name) -> EvictionC
             raise ValueError(f"{source(first)}: set {source('policy')} too, or drop this option")
         return None
     try:
-        return EvictionConfig(**kwargs)
+        cfg = EvictionConfig(**kwargs)
     except ValueError as err:
         field, _, message = str(err).partition(": ")
         suffix = next((s for s, (f, _, _) in FLAGS.items() if f == field), None)
         name = source(suffix) if suffix else field
         raise ValueError(f"{name}: {message}") from None
+    if cfg.evicts and POLICIES[cfg.policy].needs_retention:  # trimkv: not served yet
+        raise ValueError(f"{source('policy')}: {cfg.policy} is not served yet (it needs "
+                         f"retention gates loaded into the server; issue 15); it runs in the "
+                         f"transformers reference (vase_sglang.hf_reference, gates=...)")
+    return cfg
 
 
 def _as_int(raw) -> int:

@@ -10,13 +10,16 @@ Inputs of one batch element (torch tensors, any float dtype, read once into Pyth
   queries       [H_q][W][D]   the last W post-RoPE queries
   noise         [H_kv][n]     the Gumbel noise of this eviction round (sampling policies, random)
   projection    [D][r]        the Gaussian projection G (vase-dkv, curdkv)
+  log_beta, age [H_kv][n]     trimkv: the gate's log retention of each candidate and its age
+                              (position now - position of the token)
 The random draws themselves are the engine's (counter-based hash RNG): the tests take them from
 the engine and pass them in as data; their distribution is tested separately.
 
 Selection, common to all policies (README: "keeps, besides the sinks and the newest R tokens"):
   1. the first `sinks` candidates are kept;
   2. vase-attnv: then the `value_slots` largest Range(v) among the other candidates
-     (N_v slots on top of the sinks; default budget // 4, shrunk to fit);
+     (N_v slots on top of the sinks; default budget // 4, shrunk to fit); trimkv the same when
+     value_slots is given (default 0: TRIM-KV's plain top-k of beta^age);
   3. the remaining K - |forced| slots (K = budget - window) go to the highest ranking keys:
      the score, or for vase-attnv log(score) + Gumbel noise (Gumbel-top-k: sampling without
      replacement with probability proportional to the score);
@@ -29,7 +32,8 @@ import itertools
 import math
 
 POLICIES = ("vase-attnv", "vase-dkv", "snapkv", "rkv", "curdkv", "random", "streaming",
-            "evict-large-values")
+            "evict-large-values", "trimkv")
+VALUE_SLOT_POLICIES = ("vase-attnv", "trimkv")
 
 
 def _rows(tensor):
@@ -140,11 +144,20 @@ def cur_leverage(keys, values, projection):
     return out
 
 
+def retention_score(log_beta, age):
+    """[H][n]: TRIM-KV's retention beta^age, as its logarithm age * log(beta) (the same order;
+    beta^age underflows to 0 for old tokens in double already)."""
+    return [[a * lb for lb, a in zip(lb_row, a_row)]
+            for lb_row, a_row in zip(_rows(log_beta), _rows(age))]
+
+
 def score(policy, keys, values, queries=None, *, noise=None, projection=None, temperature=1.0,
-          pool_kernel=5, rkv_lambda=0.5):
+          pool_kernel=5, rkv_lambda=0.5, log_beta=None, age=None):
     """[H_kv][n] score of each candidate (higher = more worth keeping), before the forced
     tokens and, for vase-attnv, before the Gumbel noise."""
     h, n = keys.shape[0], keys.shape[1]
+    if policy == "trimkv":
+        return retention_score(log_beta, age)
     if policy in ("vase-attnv", "snapkv"):
         return window_attention(queries, keys, temperature=temperature, pool_kernel=pool_kernel)
     if policy == "rkv":
@@ -179,7 +192,7 @@ def select_head(policy, score_row, range_row, noise_row, *, keep, sinks, value_s
     (None for a forced one)."""
     n = len(score_row)
     forced = list(range(min(sinks, n)))
-    if policy == "vase-attnv" and value_slots:
+    if policy in VALUE_SLOT_POLICIES and value_slots:
         others = [i for i in range(n) if i not in forced]
         forced += best_first(range_row, others)[:value_slots]
     if policy == "vase-attnv":
@@ -197,16 +210,19 @@ def select_head(policy, score_row, range_row, noise_row, *, keep, sinks, value_s
 
 def select(policy, keys, values, queries=None, *, budget, window, sinks, value_slots=None,
            cfg_sinks=None, noise=None, projection=None, temperature=1.0, pool_kernel=5,
-           rkv_lambda=0.5):
+           rkv_lambda=0.5, log_beta=None, age=None):
     """Per KV head: (ascending kept indices, ranking key per candidate).
 
     sinks: the sinks of this call; cfg_sinks: the configured ones (N_v's default is computed
     from those, default: sinks)."""
     keep = budget - window
-    if value_slots is None:
+    if value_slots is None and policy == "trimkv":
+        value_slots = 0
+    elif value_slots is None:
         value_slots = default_value_slots(budget, window, sinks if cfg_sinks is None else cfg_sinks)
     scores = score(policy, keys, values, queries, noise=noise, projection=projection,
-                   temperature=temperature, pool_kernel=pool_kernel, rkv_lambda=rkv_lambda)
+                   temperature=temperature, pool_kernel=pool_kernel, rkv_lambda=rkv_lambda,
+                   log_beta=log_beta, age=age)
     ranges = value_range(values)
     noise_rows = _rows(noise) if noise is not None else [[0.0] * len(s) for s in scores]
     return [select_head(policy, s, r, g, keep=keep, sinks=sinks, value_slots=value_slots)

@@ -17,7 +17,7 @@ import torch
 
 import oracle
 from vase_sglang import EvictionConfig, select_tokens
-from vase_sglang.policies import POLICIES, Draws
+from vase_sglang.policies import POLICIES, Draws, Retention
 
 torch.set_num_threads(1)
 
@@ -75,6 +75,26 @@ def _random_data(policy, cfg, draws, k):
     return noise, projection
 
 
+def _retention(policy, k, seed):
+    """trimkv's inputs: log β = logsigmoid of a spread of gate outputs (from ~0 to ~-9), and
+    ages of positions that differ per head (an earlier eviction kept different tokens in each
+    head); None for the other policies."""
+    if policy != "trimkv":
+        return None
+    gen = torch.Generator().manual_seed(1000 + seed)
+    n = k.shape[-2]
+    log_beta = torch.nn.functional.logsigmoid(torch.randn(k.shape[:-1], generator=gen) * 4 + 2)
+    positions = torch.rand(*k.shape[:-2], 3 * n, generator=gen).argsort(-1)[..., :n].sort(-1).values
+    age = (3 * n + 5) - positions
+    return Retention(log_beta.to(k.dtype), age)
+
+
+def _retention_of(ret, idx):
+    if ret is None:
+        return {}
+    return dict(log_beta=ret.log_beta[idx], age=ret.age[idx])
+
+
 def _element(x, idx):
     return None if x is None else x[idx]
 
@@ -95,12 +115,14 @@ def test_scores_match_oracle(policy, group, dtype):
     n = _n(group)
     k, v, q = _inputs(group, dtype, n, seed=group)
     draws = _draws(cfg, k)
-    got = POLICIES[policy](cfg).score(k, v, q, draws).double()
+    ret = _retention(policy, k, group)
+    got = POLICIES[policy](cfg, retention=ret).score(k, v, q, draws).double()
     noise, projection = _random_data(policy, cfg, draws, k)
     for idx in _elements(k):
         expected = torch.tensor(oracle.score(
             policy, k[idx], v[idx], q[idx], noise=_element(noise, idx),
-            projection=_element(projection, idx), **_oracle_options(cfg)), dtype=torch.float64)
+            projection=_element(projection, idx), **_retention_of(ret, idx),
+            **_oracle_options(cfg)), dtype=torch.float64)
         scale = expected.abs().max().item()
         torch.testing.assert_close(got[idx], expected, rtol=1e-4, atol=1e-6 * scale,
                                    msg=lambda m: f"{policy}, element {idx}: {m}")
@@ -135,7 +157,9 @@ def test_selection_matches_oracle(policy, group, dtype, cfg_sinks, call_sinks):
     n = _n(group)
     k, v, q = _inputs(group, dtype, n, seed=100 + group)
     request, layer = _ids()
-    keep = select_tokens(cfg, k, v, q, request=request, layer=layer, round=ROUND, sinks=call_sinks)
+    ret = _retention(policy, k, 100 + group)
+    keep = select_tokens(cfg, k, v, q, request=request, layer=layer, round=ROUND, sinks=call_sinks,
+                         retention=ret)
     assert keep.shape == (len(REQUESTS), len(LAYERS), H_KV, BUDGET - WINDOW)
     noise, projection = _random_data(policy, cfg, _draws(cfg, k), k)
     sinks = cfg_sinks if call_sinks is None else call_sinks
@@ -143,7 +167,7 @@ def test_selection_matches_oracle(policy, group, dtype, cfg_sinks, call_sinks):
         expected = oracle.select(
             policy, k[idx], v[idx], q[idx], budget=BUDGET, window=WINDOW, sinks=sinks,
             cfg_sinks=cfg_sinks, noise=_element(noise, idx), projection=_element(projection, idx),
-            **_oracle_options(cfg))
+            **_retention_of(ret, idx), **_oracle_options(cfg))
         _assert_same_selection(keep[idx], expected, f"{policy}, element {idx}")
 
 
@@ -170,6 +194,47 @@ def test_exact_value_range_ties_match_oracle_strictly(policy):
                 slots = oracle.best_first(ranges[h], range(2, 41))[:8]
                 assert set(slots) <= set(keep[idx][h].tolist()), (idx, h, slots)
             _assert_same_selection(keep[idx], expected, f"{policy}, element {idx}")
+
+
+@pytest.mark.parametrize("value_slots", [0, 7])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_trimkv_exact_ties_and_value_slots_match_oracle_strictly(dtype, value_slots):
+    """trimkv alone and as the VaSE hybrid (value_slots > 0), compared with no tolerance:
+    log β in {-1/4, -1/2, -1, -2} and integer ages make exact products in fp32 and bf16, with
+    many exact ties (-1 * 4 == -2 * 2), so the older-token tie rule is checked too; integer V
+    makes exact value-range ties for the value slots."""
+    cfg = EvictionConfig(policy="trimkv", budget=BUDGET, window=WINDOW, sinks=2,
+                         value_slots=value_slots)
+    k, _, q = _inputs(2, dtype, 41, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    v = torch.randint(-3, 4, k.shape, generator=gen).to(dtype)
+    choices = torch.tensor([-0.25, -0.5, -1.0, -2.0])
+    log_beta = choices[torch.randint(0, 4, k.shape[:-1], generator=gen)].to(dtype)
+    age = torch.randint(1, 12, k.shape[:-1], generator=gen)
+    ret = Retention(log_beta, age)
+    request, layer = _ids()
+    keep = select_tokens(cfg, k, v, q, request=request, layer=layer, round=ROUND, retention=ret)
+    for idx in _elements(k):
+        expected = oracle.select("trimkv", k[idx], v[idx], q[idx], budget=BUDGET, window=WINDOW,
+                                 sinks=2, value_slots=value_slots, **_retention_of(ret, idx))
+        _assert_same_selection(keep[idx], expected, f"trimkv, element {idx}", strict=True)
+
+
+def test_trimkv_keeps_the_highest_retention_not_the_newest():
+    """By the definition, on a case checkable by hand: one head, 6 candidates, keep 3 besides
+    no sinks. Scores log β * age: [-0.5*6, -0.01*5, -1*4, -0.5*3, -2*2, -0.1*1] =
+    [-3, -0.05, -4, -1.5, -4, -0.1]: kept 1, 3, 5 (the old token 1 outlives newer 2 and 4)."""
+    cfg = EvictionConfig(policy="trimkv", budget=4, window=1, sinks=0)
+    keys = torch.zeros(1, 6, 4)
+    ret = Retention(torch.tensor([[-0.5, -0.01, -1.0, -0.5, -2.0, -0.1]]),
+                    torch.tensor([[6, 5, 4, 3, 2, 1]]))
+    assert select_tokens(cfg, keys, keys, retention=ret).tolist() == [[1, 3, 5]]
+    with pytest.raises(ValueError, match="retention: policy 'trimkv' needs"):
+        select_tokens(cfg, keys, keys)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        select_tokens(cfg, keys, keys, retention=Retention(ret.log_beta[:, :5], ret.age))
+    with pytest.raises(ValueError, match="does not use retention"):
+        select_tokens(cfg.replace(policy="streaming"), keys, keys, retention=ret)
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "rkv", "vase-dkv", "evict-large-values"])

@@ -12,6 +12,7 @@ from .policies import (
     AttentionParams,
     Draws,
     Policy,
+    Retention,
     register_policy,
     select_tokens,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "POLICY_NAMES",
     "POLICIES",
     "Policy",
+    "Retention",
     "Draws",
     "AttentionParams",
     "select_tokens",

@@ -7,8 +7,9 @@ Vocabulary (kept identical in the SGLang flags `--kv-evict-*`):
                    holds T + R tokens, so the footprint cycles between T and T + R. With
                    pages of ps tokens it cycles between ceil(T / ps) and ceil((T + R) / ps)
                    pages; R >= ps (check_page_size), and T, R multiples of ps move no K/V.
-  value_slots   N_v  (vase-attnv only) slots always given to the largest Range(v)=max(v)-min(v);
-                   default T/4 as in every official VaSE script.
+  value_slots   N_v  (vase-attnv, trimkv) slots always given to the largest Range(v)=max(v)-min(v);
+                   default T/4 for vase-attnv as in every official VaSE script, 0 for trimkv
+                   (set, it makes the VaSE + learned-retention hybrid).
   sinks         first tokens of the sequence that are always kept.
   seed          base of every random draw; draws are keyed by (seed, request, layer, round).
   workspace_mb  memory an engine reserves for one eviction step (gathered K/V, score
@@ -22,7 +23,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-# Policy names are the user-facing values of --kv-evict-policy.
+# Policy names are the user-facing values of --kv-evict-policy. The registry (policies.POLICIES)
+# also holds "trimkv", which only the transformers reference runs so far (it needs per-token
+# retention from a gates file; issue 15): servers refuse it.
 POLICY_NAMES = (
     "full",
     "vase-attnv",
@@ -34,6 +37,8 @@ POLICY_NAMES = (
     "streaming",
     "evict-large-values",
 )
+# Policies that may reserve value slots; trimkv's default is 0 (plain TRIM-KV).
+VALUE_SLOT_POLICIES = ("vase-attnv", "trimkv")
 
 
 @dataclass(frozen=True)
@@ -91,10 +96,11 @@ class EvictionConfig:
                 raise ValueError(f"value_slots: must be an integer, got {self.value_slots!r}")
             if self.value_slots < 0:
                 raise ValueError(f"value_slots: must be >= 0, got {self.value_slots}")
-            if self.value_slots and self.policy != "vase-attnv":
+            if self.value_slots and self.policy not in VALUE_SLOT_POLICIES:
                 raise ValueError(
-                    f"value_slots: only the vase-attnv policy reserves value slots "
-                    f"(policy is {self.policy!r}); leave it unset or 0"
+                    f"value_slots: only the vase-attnv policy reserves value slots (and trimkv, "
+                    f"as the VaSE + retention hybrid) (policy is {self.policy!r}); leave it "
+                    f"unset or 0"
                 )
         if self.policy != "full" and self.sinks + self.n_value_slots > self.keep:
             raise ValueError(
@@ -109,8 +115,10 @@ class EvictionConfig:
 
     @property
     def n_value_slots(self) -> int:
-        if self.policy != "vase-attnv":
+        if self.policy not in VALUE_SLOT_POLICIES:
             return 0
+        if self.policy == "trimkv":
+            return self.value_slots or 0
         if self.value_slots is None:  # official default T/4, shrunk only if T/4 cannot fit
             return max(0, min(self.budget // 4, self.keep - self.sinks))
         return self.value_slots

@@ -10,7 +10,10 @@ teacher-forced fidelity measurements. Semantics mirrored from the plugin:
   - the window queries are the post-RoPE queries of the last `window` processed positions;
   - RoPE positions stay the true positions; draws are keyed by (seed, request key, layer, round)
     and the global KV head (this loop holds every head: offset 0);
-  - window-attention scores use the model's own logit scaling and soft-cap (`attention_params`).
+  - window-attention scores use the model's own logit scaling and soft-cap (`attention_params`);
+  - trimkv (`gates=`): log β of every token from the gates when it is processed (attention
+    input of each layer), kept per (layer, KV head) with the token's true position and compacted
+    with K/V; age = position of the next token - the token's position.
 
 Supports the Llama-style families whose attention calls a module-level
 `apply_rotary_pos_emb(q, k, cos, sin)` (Qwen2, Qwen3, Llama): the queries are recorded there.
@@ -24,7 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import EvictionConfig
-from .policies import AttentionParams, select_tokens
+from .policies import POLICIES, AttentionParams, Retention, select_tokens
 
 
 def attention_params(model) -> AttentionParams:
@@ -44,8 +47,10 @@ def attention_params(model) -> AttentionParams:
 
 class ReferenceDecoder:
     def __init__(self, model, cfg: EvictionConfig, *, protect_prompt: bool = True,
-                 page_size: int = 1):
+                 page_size: int = 1, gates=None):
+        """gates: retention gates for trimkv (a RetentionGates or a gates file path)."""
         self.model = model.eval()
+        self.gates = self._gates_for(model, cfg, gates)
         self.cfg = cfg
         self.protect_prompt = protect_prompt
         self.page_size = page_size
@@ -55,6 +60,63 @@ class ReferenceDecoder:
         self._modeling = importlib.import_module(arch)
         if not hasattr(self._modeling, "apply_rotary_pos_emb"):
             raise ValueError(f"model: {arch} has no apply_rotary_pos_emb to record queries from")
+
+    @staticmethod
+    def _gates_for(model, cfg, gates):
+        if gates is None:
+            if cfg.evicts and POLICIES[cfg.policy].needs_retention:
+                raise ValueError(f"gates: policy {cfg.policy!r} needs retention gates (a file from "
+                                 f"`python -m vase_sglang.retention train`)")
+            return None
+        from . import retention
+
+        if not isinstance(gates, retention.RetentionGates):
+            gates = retention.load_gates(gates, model.config)
+        return gates
+
+    @contextmanager
+    def _record_retention(self):
+        """log β [B, T, H] per layer of each forward (trimkv); per-layer caches [H, n] of log β
+        and true positions, aligned with the KV cache."""
+        self._log_beta = self._positions = None
+        if self.gates is None:
+            yield
+            return
+        from .retention import recording_log_beta
+
+        self._new_log_beta: dict = {}
+        with torch.no_grad(), recording_log_beta(self.model, self.gates, self._new_log_beta):
+            yield
+
+    def _push_retention(self, pos):
+        if self.gates is None:
+            return
+        layers = self.gates.layers
+        new_lb = [self._new_log_beta[i][0].transpose(0, 1) for i in range(layers)]  # [H, T]
+        new_pos = [pos[0].expand_as(lb) for lb in new_lb]
+        if self._log_beta is None:
+            self._log_beta, self._positions = new_lb, new_pos
+            return
+        self._log_beta = [torch.cat([a, b], 1) for a, b in zip(self._log_beta, new_lb)]
+        self._positions = [torch.cat([a, b], 1) for a, b in zip(self._positions, new_pos)]
+
+    def _retention_of(self, prefix, n):
+        if self.gates is None:
+            return None
+        log_beta = torch.stack([lb[:, prefix: prefix + n] for lb in self._log_beta])  # [L, H, n]
+        pos = torch.stack([p[:, prefix: prefix + n] for p in self._positions])
+        now = max(int(p.max()) for p in self._positions) + 1  # the next token's position
+        return Retention(log_beta, now - pos)
+
+    def _compact_retention(self, keep, prefix, n):
+        if self.gates is None:
+            return
+        for name in ("_log_beta", "_positions"):
+            rows = getattr(self, name)
+            setattr(self, name, [
+                torch.cat([r[:, :prefix], torch.gather(r[:, prefix: prefix + n], 1, keep[layer]),
+                           r[:, prefix + n:]], 1)
+                for layer, r in enumerate(rows)])
 
     @classmethod
     def from_pretrained(cls, path, cfg, dtype=torch.float32, **kwargs):
@@ -91,7 +153,7 @@ class ReferenceDecoder:
         tokens, logprobs = [], []
         prefix = len(prompt_ids) // self.page_size * self.page_size if self.protect_prompt else 0
         offset = rounds = 0
-        with self._record_queries():
+        with self._record_queries(), self._record_retention():
             ids = torch.tensor([list(prompt_ids)])
             pos = torch.arange(len(prompt_ids))[None]
             for step in range(steps):
@@ -101,6 +163,7 @@ class ReferenceDecoder:
                                  cache_position=torch.arange(phys, phys + ids.shape[1]),
                                  use_cache=True)
                 self._push_queries(window_q)
+                self._push_retention(pos)
                 logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
                 token = int(forced_ids[step]) if forced_ids is not None else int(logp.argmax())
                 tokens.append(token)
@@ -135,7 +198,9 @@ class ReferenceDecoder:
             cfg, keys, values, queries, request=request_key,
             layer=torch.arange(len(layers)), round=rounds,
             sinks=max(0, cfg.sinks - prefix), attention=self.attention,
+            retention=self._retention_of(prefix, n),
         )  # [L, H, K]
+        self._compact_retention(keep, prefix, n)
         for layer, lay in enumerate(layers):
             for name in ("keys", "values"):
                 full = getattr(lay, name)

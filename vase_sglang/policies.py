@@ -2,8 +2,8 @@
 
 Every policy is a small dataclass with `score()` (higher = more worth keeping) and, through the
 base class, `select()`. Selection is the same for all of them:
-  1. forced tokens: the sinks (first tokens of the sequence), plus for vase-attnv the
-     `value_slots` candidates with the largest Range(v);
+  1. forced tokens: the sinks (first tokens of the sequence), plus for vase-attnv (and trimkv
+     when set) the `value_slots` candidates with the largest Range(v);
   2. the remaining slots go to the best scores (top-k), or for sampling policies are drawn
      without replacement with probability proportional to the score. Gumbel-top-k
      (top-k of log w + Gumbel noise) has exactly that distribution and runs batched.
@@ -118,11 +118,24 @@ class Draws:
         return rng.normal(*self._index(key, (head_dim, rank))) / rank**0.5
 
 
+@dataclass(frozen=True, eq=False)
+class Retention:
+    """Learned retention of the candidates (trimkv): log β [..., H_kv, n] (<= 0, from the
+    gates when the token was created) and age [..., H_kv, n] (true position now minus the
+    token's position; "now" is the position of the next token to be processed). Both
+    broadcast to the candidates' [..., H_kv, n]."""
+
+    log_beta: torch.Tensor
+    age: torch.Tensor
+
+
 @dataclass(frozen=True)
 class Policy:
     cfg: EvictionConfig
     attention: AttentionParams = AttentionParams()
+    retention: Retention | None = None  # per-candidate inputs of needs_retention policies
     needs_queries: ClassVar[bool] = False
+    needs_retention: ClassVar[bool] = False  # scores from a Retention (gates file), not K/V
     reads_kv: ClassVar[bool] = True  # False: the score ignores K/V contents (engines skip the read)
     samples: ClassVar[bool] = False  # weighted sampling without replacement instead of top-k
     ascending: ClassVar[bool] = True  # select() returns ascending indices (in-place compaction)
@@ -131,9 +144,15 @@ class Policy:
         raise NotImplementedError
 
     def forced(self, keys, values, sinks: int) -> torch.Tensor:
-        """Bool [..., H, n]: candidates kept whatever their score."""
+        """Bool [..., H, n]: candidates kept whatever their score: the sinks, then the
+        value_slots largest Range(v) among the others (only policies that allow value slots
+        have cfg.n_value_slots > 0)."""
         mask = torch.zeros(keys.shape[:-1], dtype=torch.bool, device=keys.device)
         mask[..., :sinks] = True
+        n_value = self.cfg.n_value_slots
+        if n_value:
+            spread = ops.value_range(values).masked_fill(mask, float("-inf"))
+            mask.scatter_(-1, top_indices(spread, n_value), True)
         return mask
 
     def select(self, keys, values, queries, draws: Draws, sinks: int, check: bool = True):
@@ -211,17 +230,10 @@ def mean_cosine_to_others(keys: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class VaseAttnVPolicy(SnapKVPolicy):
-    """VaSE-AttnV: the value_slots largest Range(v) are kept, the rest sampled ∝ attention."""
+    """VaSE-AttnV: the value_slots largest Range(v) are kept (Policy.forced), the rest
+    sampled ∝ attention."""
 
     samples: ClassVar[bool] = True
-
-    def forced(self, keys, values, sinks):
-        mask = super().forced(keys, values, sinks)
-        n_value = self.cfg.n_value_slots
-        if n_value:
-            spread = ops.value_range(values).masked_fill(mask, float("-inf"))
-            mask.scatter_(-1, top_indices(spread, n_value), True)
-        return mask
 
 
 @dataclass(frozen=True)
@@ -250,6 +262,22 @@ class EvictLargeValuesPolicy(Policy):
         return -ops.value_range(values)
 
 
+@dataclass(frozen=True)
+class TrimKVPolicy(Policy):
+    """TRIM-KV (arXiv 2512.03324): score = log β · age = log(β^(now - i)), top-k. β comes from
+    a learned gate when the token is created (vase_sglang.retention); the older a token and
+    the smaller its β, the lower its score. With value_slots (default 0) the largest Range(v)
+    are forced first: the VaSE + learned-retention hybrid."""
+
+    needs_retention: ClassVar[bool] = True
+
+    def score(self, keys, values, queries, draws):
+        r = self.retention
+        if r is None:
+            raise ValueError("retention: policy 'trimkv' needs the log β and age of every candidate")
+        return (r.log_beta.float() * r.age.float()).expand(keys.shape[:-1])
+
+
 POLICIES: dict[str, type[Policy]] = {
     "vase-attnv": VaseAttnVPolicy,
     "vase-dkv": VaseDKVPolicy,
@@ -259,6 +287,7 @@ POLICIES: dict[str, type[Policy]] = {
     "random": RandomPolicy,
     "streaming": StreamingPolicy,
     "evict-large-values": EvictLargeValuesPolicy,
+    "trimkv": TrimKVPolicy,
 }
 
 
@@ -303,6 +332,29 @@ def _check_shapes(cfg: EvictionConfig, keys, values, queries, needs_queries: boo
             )
 
 
+def _checked_retention(cfg: EvictionConfig, keys, retention) -> Retention | None:
+    needs = POLICIES[cfg.policy].needs_retention
+    if retention is None:
+        if needs:
+            raise ValueError(f"retention: policy {cfg.policy!r} needs the log β and age of every "
+                             f"candidate (a Retention; gates from vase_sglang.retention)")
+        return None
+    if not needs:
+        raise ValueError(f"retention: policy {cfg.policy!r} does not use retention; pass None")
+    if not isinstance(retention, Retention):
+        raise ValueError(f"retention: expected a Retention, got {type(retention).__name__}")
+    for name in ("log_beta", "age"):
+        t = getattr(retention, name)
+        try:
+            ok = torch.broadcast_shapes(t.shape, keys.shape[:-1]) == keys.shape[:-1]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"retention: {name} of shape {tuple(t.shape)} does not broadcast to "
+                             f"the candidates [..., H_kv, n] = {tuple(keys.shape[:-1])}")
+    return retention
+
+
 def select_tokens(
     cfg: EvictionConfig,
     keys: torch.Tensor,
@@ -316,6 +368,7 @@ def select_tokens(
     check: bool = True,
     attention: AttentionParams | None = None,
     head_offset: int = 0,
+    retention: Retention | None = None,
 ) -> torch.Tensor:
     """Candidate indices to keep, LongTensor [..., H_kv, budget - window], ascending per head.
 
@@ -328,6 +381,7 @@ def select_tokens(
     (costs a device sync). attention: the model's logit scaling and soft-cap (default
     1/sqrt(D), none). head_offset: global index of the first KV head in `keys` (a
     tensor-parallel rank's first head), so per-head draws do not depend on the sharding.
+    retention: log β and age of every candidate (trimkv only; see `Retention`).
     """
     if not isinstance(cfg, EvictionConfig):
         raise ValueError(f"cfg: expected an EvictionConfig, got {type(cfg).__name__}")
@@ -340,7 +394,7 @@ def select_tokens(
         raise ValueError(f"attention: expected an AttentionParams, got {type(attention).__name__}")
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
         raise ValueError(f"head_offset: must be an integer >= 0, got {head_offset!r}")
-    policy = POLICIES[cfg.policy](cfg, attention)
+    policy = POLICIES[cfg.policy](cfg, attention, _checked_retention(cfg, keys, retention))
     _check_shapes(cfg, keys, values, queries, policy.needs_queries)
     sinks = cfg.sinks if sinks is None else sinks
     if not 0 <= sinks <= cfg.sinks:

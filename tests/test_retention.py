@@ -1,0 +1,279 @@
+"""Learned retention (vase_sglang.retention): the soft-eviction maths, the training on the tiny
+model (loss falls, resume is exact), the gates file checks, and the transformers reference
+running trimkv against an independent replay of the eviction in plain Python."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from vase_sglang import EvictionConfig
+from vase_sglang import retention as R
+from vase_sglang.hf_reference import ReferenceDecoder
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def fp32_model(tiny_model_fp32):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32).eval()
+
+
+# ---------------------------------------------------------------- soft eviction maths
+
+
+def test_soft_eviction_multiplies_attention_weights_by_beta_power_age():
+    """softmax(logits + log β_i (t - i)) == w_ti β_i^(t - i) / sum_j w_tj β_j^(t - j), causal,
+    checked with plain loops in double."""
+    gen = torch.Generator().manual_seed(0)
+    t, h = 7, 2
+    logits = torch.randn(1, h, t, t, generator=gen)
+    log_beta = torch.nn.functional.logsigmoid(torch.randn(1, t, h, generator=gen) * 2)
+    got = torch.softmax(logits + R.soft_eviction_bias(log_beta), dim=-1)
+    for head in range(h):
+        for q in range(t):
+            raw = [math.exp(logits[0, head, q, i].item()) * math.exp(log_beta[0, i, head].item()) ** (q - i)
+                   for i in range(q + 1)]
+            total = sum(raw)
+            for i in range(t):
+                expected = raw[i] / total if i <= q else 0.0
+                assert abs(got[0, head, q, i].item() - expected) < 1e-6, (head, q, i)
+
+
+def test_expected_retained_and_capacity_loss_by_hand():
+    """Constant β per head: R_t = sum_{k=0..t} β^k (a geometric sum); the capacity loss is the
+    mean over heads and steps of max(0, R_t - M) / M."""
+    t, memory = 9, 3
+    betas = [0.9, 0.5]
+    log_beta = torch.log(torch.tensor(betas)).expand(1, t, 2)
+    r = R.expected_retained(log_beta)
+    for h, b in enumerate(betas):
+        for step in range(t):
+            assert abs(r[0, h, step].item() - sum(b ** k for k in range(step + 1))) < 1e-5
+    expected = sum(max(0.0, sum(b ** k for k in range(s + 1)) - memory)
+                   for b in betas for s in range(t)) / (2 * t) / memory
+    assert abs(R.capacity_loss([log_beta], memory).item() - expected) < 1e-6
+    assert expected > 0  # β = 0.9 overflows M = 3 after 4 steps: the case is not trivial
+
+
+def test_training_attention_without_retention_is_the_model(fp32_model):
+    """The attention implementation used for training, with no log β set, equals the model's
+    own (the teacher is the frozen model); with log β set it differs (the student)."""
+    model = AutoModelForCausalLM.from_pretrained(fp32_model.name_or_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (1, 33), generator=torch.Generator().manual_seed(1))
+    stock = model(input_ids=ids, use_cache=False).logits
+    R.install_training_attention(model)
+    plain = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(plain, stock, rtol=1e-5, atol=1e-5)
+    gates = R.RetentionGates.for_model(model.config, bias_init=0.0)
+    _, kl, _, _ = R.losses(model, gates, ids, memory=8, cap_weight=1.0)
+    assert kl.item() > 1e-3
+
+
+# ---------------------------------------------------------------- training
+
+
+def _cfg(model_path, **kw):
+    base = dict(model=model_path, memory=16, steps=24, lr=0.02, bias_init=4.0, problems=3,
+                gen_tokens=24, max_len=160, seed=3, save_every=4)
+    base.update(kw)
+    return R.TrainConfig(**base)
+
+
+def _quiet(it, **kw):
+    return it
+
+
+def test_tiny_gates_train_in_seconds_and_the_loss_falls(tiny_model_fp32, tmp_path):
+    out = tmp_path / "gates"
+    summary = R.train(_cfg(tiny_model_fp32), out, progress=_quiet, log=lambda *_: None)
+    history = json.loads((out / "history.json").read_text())
+    assert len(history) == 24
+    first = sum(r["loss"] for r in history[:4]) / 4
+    last = sum(r["loss"] for r in history[-4:]) / 4
+    assert last < 0.5 * first, (first, last)
+    # The capacity term did the work: the heads went from holding (nearly) every token to
+    # about the memory size.
+    assert history[0]["retained"] > 2 * 16 and history[-1]["retained"] < 1.5 * 16
+    assert (out / "loss.png").stat().st_size > 1000
+    gates = R.load_gates(summary["gates"], tiny_model_fp32)
+    assert gates.layers == 2 and gates.kv_heads == 2
+
+
+def test_resume_from_checkpoint_ends_identical(tiny_model_fp32, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    R.train(_cfg(tiny_model_fp32, steps=8), whole, progress=_quiet, log=lambda *_: None)
+    split.mkdir()
+    shutil.copy(whole / "data.json", split / "data.json")  # the same data, not generated again
+    R.train(_cfg(tiny_model_fp32, steps=4), split, progress=_quiet, log=lambda *_: None)
+    logs = []
+    R.train(_cfg(tiny_model_fp32, steps=8), split, progress=_quiet, log=logs.append)
+    assert any("resuming from step 4" in line for line in logs)
+    a = R.load_gates(whole / "gates.safetensors", tiny_model_fp32)
+    b = R.load_gates(split / "gates.safetensors", tiny_model_fp32)
+    for name in R.TENSORS:
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    with pytest.raises(SystemExit, match="other settings"):
+        R.train(_cfg(tiny_model_fp32, steps=8, memory=9), split, progress=_quiet, log=lambda *_: None)
+
+
+# ---------------------------------------------------------------- gates files
+
+
+def _saved(tmp_path, config, **kw):
+    gates = R.RetentionGates.for_model(config, **kw)
+    return gates, R.save_gates(tmp_path / "g.safetensors", gates, config)
+
+
+def test_gates_round_trip(tiny_model_fp32, tmp_path):
+    config = AutoConfig.from_pretrained(tiny_model_fp32)
+    gates, path = _saved(tmp_path, config, gate_hidden=8, seed=5)
+    loaded = R.load_gates(path, config)
+    for name in R.TENSORS:
+        assert torch.equal(getattr(loaded, name), getattr(gates, name))
+    meta = R.read_metadata(path)
+    assert (meta["layers"], meta["kv_heads"], meta["hidden_size"]) == ("2", "2", "128")
+    assert meta["architecture"] == "Qwen3ForCausalLM"
+
+
+def test_bad_gate_files_are_refused(tiny_model_fp32, tmp_path):
+    config = AutoConfig.from_pretrained(tiny_model_fp32)
+    with pytest.raises(R.GatesError, match="no such file"):
+        R.load_gates(tmp_path / "missing.safetensors", config)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(R.GatesError, match="not a readable safetensors file"):
+        R.load_gates(junk, config)
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"w1": torch.zeros(1)}, str(foreign), metadata={"format": "something-else"})
+    with pytest.raises(R.GatesError, match="is not a vase-retention-gates file"):
+        R.load_gates(foreign, config)
+
+    # Gates of another model: 3 layers instead of 2, then 4 KV heads instead of 2.
+    for change in (dict(num_hidden_layers=3), dict(num_key_value_heads=4)):
+        other = AutoConfig.from_pretrained(tiny_model_fp32, **change)
+        _, path = _saved(tmp_path, other)
+        with pytest.raises(R.GatesError, match="trained for another model"):
+            R.load_gates(path, config)
+
+    # Right model in the metadata, wrong tensor shapes / missing tensor / not finite.
+    gates, path = _saved(tmp_path, config, gate_hidden=8)
+    meta = {k: v for k, v in R.read_metadata(path).items() if not k.startswith("_")}
+    tensors = {n: getattr(gates, n).detach().clone() for n in R.TENSORS}
+    bad_shape = dict(tensors, w2=torch.zeros(2, 3, 8))
+    save_file(bad_shape, str(tmp_path / "shape.safetensors"), metadata=meta)
+    with pytest.raises(R.GatesError, match=r"'w2' has shape \(2, 3, 8\), expected \(2, 2, 8\)"):
+        R.load_gates(tmp_path / "shape.safetensors", config)
+    missing = {k: v for k, v in tensors.items() if k != "b2"}
+    save_file(missing, str(tmp_path / "missing_t.safetensors"), metadata=meta)
+    with pytest.raises(R.GatesError, match="'b2' is missing"):
+        R.load_gates(tmp_path / "missing_t.safetensors", config)
+    nan = dict(tensors, b1=torch.full_like(tensors["b1"], float("nan")))
+    save_file(nan, str(tmp_path / "nan.safetensors"), metadata=meta)
+    with pytest.raises(R.GatesError, match="not finite"):
+        R.load_gates(tmp_path / "nan.safetensors", config)
+
+
+def test_reference_refuses_trimkv_without_gates(fp32_model):
+    cfg = EvictionConfig(policy="trimkv", budget=12, window=4, sinks=2)
+    with pytest.raises(ValueError, match="needs retention gates"):
+        ReferenceDecoder(fp32_model, cfg)
+
+
+# ---------------------------------------------------------------- the reference runs trimkv
+
+
+def _replay_layer0(model, gates, cfg, tokens, prompt_len, steps, protect_prompt):
+    """TRIM-KV eviction of layer 0, replayed in plain Python from the definition: layer 0's
+    attention input depends on the token alone, so log β (and V, for the value slots) of
+    every token is known without running the decode. Returns the kept positions per head."""
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        x = layer.input_layernorm(model.model.embed_tokens(torch.tensor(tokens)))
+        log_beta = gates.log_beta(0, x).double().tolist()  # [T][H]
+        heads = model.config.num_key_value_heads
+        v = layer.self_attn.v_proj(x).view(len(tokens), heads, -1)
+        value_range = (v.amax(-1) - v.amin(-1)).double().tolist()
+    prefix = prompt_len if protect_prompt else 0
+    sinks = max(0, cfg.sinks - prefix)
+    keep = cfg.budget - cfg.window
+    caches = [list(range(prompt_len)) for _ in range(heads)]
+    for step in range(steps):
+        if step > 0:
+            for cache in caches:
+                cache.append(prompt_len + step - 1)
+        if step == steps - 1:
+            break
+        private = len(caches[0]) - prefix
+        if step < 1 or private < cfg.trigger_len:
+            continue
+        n = private - cfg.window
+        now = prompt_len + step  # the position of the next token
+        for h, cache in enumerate(caches):
+            cand = cache[prefix: prefix + n]
+            forced = list(range(min(sinks, n)))
+            others = [i for i in range(n) if i not in forced]
+            by_range = sorted(others, key=lambda i: (-value_range[cand[i]][h], i))
+            forced += by_range[: cfg.n_value_slots]
+            rest = [i for i in range(n) if i not in forced]
+            score = {i: log_beta[cand[i]][h] * (now - cand[i]) for i in rest}
+            chosen = forced + sorted(rest, key=lambda i: (-score[i], i))[: keep - len(forced)]
+            cache[prefix: prefix + n] = [cand[i] for i in sorted(chosen)]
+    return caches
+
+
+@pytest.mark.parametrize("value_slots, protect_prompt", [(0, False), (3, False), (0, True)])
+def test_reference_trimkv_matches_a_replay_of_the_definition(fp32_model, tmp_path, value_slots,
+                                                             protect_prompt):
+    # Widely spread β (gate weights 0.5, bias 2), so that retention, not age, decides.
+    gates = R.RetentionGates.for_model(fp32_model.config, gate_hidden=8, bias_init=2.0,
+                                       init_std=0.5, seed=7)
+    path = R.save_gates(tmp_path / "g.safetensors", gates, fp32_model.config)
+    cfg = EvictionConfig(policy="trimkv", budget=20, window=4, sinks=2, value_slots=value_slots)
+    prompt = [5, 17, 99, 3, 250, 7, 41, 8, 600, 12]
+    steps = 84  # 15 eviction rounds
+    decoder = ReferenceDecoder(fp32_model, cfg, protect_prompt=protect_prompt, gates=path)
+    out = decoder.run(prompt, max_new_tokens=steps)
+    assert out["rounds"] >= 12
+    tokens = prompt + out["tokens"][:-1]
+    expected = _replay_layer0(fp32_model, decoder.gates, cfg, tokens, len(prompt), steps,
+                              protect_prompt)
+    got = decoder._positions[0].tolist()
+    assert got == expected
+    # Negative control: the newest tokens (streaming) are not what trimkv keeps here.
+    stream = ReferenceDecoder(fp32_model, cfg.replace(policy="streaming", value_slots=None),
+                              protect_prompt=protect_prompt)
+    assert stream.run(prompt, max_new_tokens=steps)["logprobs"] != out["logprobs"]
+
+
+# ---------------------------------------------------------------- servers refuse trimkv
+
+
+def test_servers_refuse_trimkv_at_startup_and_per_request():
+    """Not served yet (the gate, its side buffer and --kv-evict-retention-gates are not
+    built): a launch flag naming it fails like argparse, a request asking for it gets the
+    ValueError that SGLang answers with HTTP 400."""
+    from vase_sglang_patches.request_control import effective_config
+    from vase_sglang_patches.settings import config_from_values
+
+    with pytest.raises(ValueError, match="--kv-evict-policy: trimkv is not served yet"):
+        config_from_values({"policy": "trimkv", "budget": "64", "window": "16"})
+    server = config_from_values({"policy": "vase-attnv", "budget": "64", "window": "16"})
+    with pytest.raises(ValueError, match="kv_evict.policy: 'trimkv' needs retention gates"):
+        effective_config({"kv_evict": {"policy": "trimkv"}}, server)
+    assert effective_config({"kv_evict": {"policy": "snapkv"}}, server).policy == "snapkv"
+
+
+def test_launch_server_refuses_trimkv(tiny_model):
+    """The same refusal on a real `python -m sglang.launch_server` (the plugin's flag check)."""
+    from servers import run_launch_server_expect_failure
+
+    code, output = run_launch_server_expect_failure(
+        tiny_model, ["--kv-evict-policy", "trimkv", "--kv-evict-budget", "64", "--kv-evict-window", "16"])
+    assert code != 0
+    assert "--kv-evict-policy: trimkv is not served yet" in output, output[-3000:]
+    assert "fired up and ready" not in output
