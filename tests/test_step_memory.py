@@ -37,6 +37,9 @@ class _Allocator:
     def free(self, slots):
         self.freed.append(slots)
 
+    def free_page_ids(self, page_ids):  # the paged allocator's exact page free
+        self.freed.append(page_ids)
+
 
 def _request(i, n, window, prefix=3):
     kv = SimpleNamespace(req_pool_idx=i, cache_protected_len=prefix,
@@ -47,11 +50,11 @@ def _request(i, n, window, prefix=3):
 
 
 def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, workspace=None,
-          seed=0):
+          seed=0, prefix=3, page_size=1):
     """A runtime over a pool holding `requests` requests of n = budget candidates each, and a
     decode batch of them. On meta nothing is allocated."""
     n, window = cfg.budget, cfg.window
-    per_req = 3 + n + window
+    per_req = prefix + n + window
     slots_total = requests * per_req + 1
     gen = torch.Generator().manual_seed(seed)
 
@@ -75,10 +78,10 @@ def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, 
     rt = runtime.EvictionRuntime(
         cfg=cfg, k_buffers=k_buffers, v_buffers=v_buffers, req_to_token=req_to_token,
         allocator=_Allocator(), num_q_heads=q_heads, head_dim=head_dim, start_layer=0,
-        queries=ring, workspace=workspace,
+        queries=ring, workspace=workspace, page_size=page_size,
     )
-    reqs = [_request(i, n, window) for i in range(requests)]
-    lens = torch.full((requests,), 3 + n + window, dtype=torch.int64)
+    reqs = [_request(i, n, window, prefix) for i in range(requests)]
+    lens = torch.full((requests,), prefix + n + window, dtype=torch.int64)
     batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=lens, seq_lens=lens.to(device),
                             orig_seq_lens=None, seq_lens_sum=None, batch_is_full=True)
     return rt, batch
@@ -240,16 +243,21 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("policy", BUILT_IN)
-def test_step_makes_no_blocking_host_copies_and_reads_nothing_back(policy, monkeypatch):
+@pytest.mark.parametrize("policy,page_size,budget,window", [
+    *[(p, 1, 40, 8) for p in BUILT_IN],
+    # paged: the newest window moved by pages (48 / 16) or copied (40 / 16)
+    ("vase-attnv", 16, 48, 16), ("vase-attnv", 16, 40, 16), ("snapkv", 16, 40, 16)])
+def test_step_makes_no_blocking_host_copies_and_reads_nothing_back(policy, page_size, budget,
+                                                                  window, monkeypatch):
     """The whole step on meta tensors (a device value cannot be read on meta at all), with
     torch.tensor / as_tensor of host data onto the device forbidden: those are synchronising
     copies from pageable memory (the step stages through pinned buffers instead)."""
-    cfg = EvictionConfig(policy=policy, budget=40, window=8)
+    cfg = EvictionConfig(policy=policy, budget=budget, window=window)
     shape = dict(layers=3, kv_heads=2, q_heads=6, head_dim=16, dtype=torch.bfloat16)
-    shapes = KVShapes(2, 6, 16, torch.bfloat16, torch.bfloat16, 8)
-    rt, batch = _step(cfg, **shape, requests=5, device="meta",
-                      workspace=_meta_workspace(cfg, shapes, "cuda"))
+    shapes = KVShapes(2, 6, 16, torch.bfloat16, torch.bfloat16, window)
+    prefix = 3 if page_size == 1 else 2 * page_size  # the tree owns whole pages
+    rt, batch = _step(cfg, **shape, requests=5, device="meta", prefix=prefix,
+                      page_size=page_size, workspace=_meta_workspace(cfg, shapes, "cuda"))
     rt.device_type = "cuda"
     monkeypatch.setattr(runtime, "RUNTIME", rt)
     runtime.step_cost(cfg, rt.shapes, cfg.budget, "cuda")  # plan traces are host-only
@@ -268,4 +276,5 @@ def test_step_makes_no_blocking_host_copies_and_reads_nothing_back(policy, monke
 
         monkeypatch.setattr(torch, name, guarded)
     with planning_for("cuda"), _HostReads():
-        assert rt.evict(batch) == 5 * (cfg.budget - cfg.keep)
+        freed = rt.evict(batch)
+    assert freed == 5 * runtime.freed_slots(cfg.budget, cfg.keep, cfg.window, page_size) > 0
