@@ -21,6 +21,9 @@ TARGET_POST_POOL = (
 )
 TARGET_ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention.forward"
 TARGET_FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+# Not a class patch: a torch forward pre-hook on each instance that owns a RadixAttention
+# (installed by after_post_pool with --kv-evict-retention-gates), e.g.
+TARGET_RETENTION_GATE = "sglang.srt.models.qwen3.Qwen3Attention.forward (and Qwen2's, Llama's)"
 
 
 def _attention_layers(model):

@@ -198,11 +198,12 @@ def _unchunked(cfg, rt, batch):
     return k_bufs, v_bufs, table, slots[:, k:].reshape(-1)
 
 
-@pytest.mark.parametrize("policy", BUILT_IN)
-def test_chunked_step_equals_the_unchunked_one(policy, monkeypatch):
+@pytest.mark.parametrize("policy,value_slots", [(p, None) for p in BUILT_IN] + [("trimkv", 5)])
+def test_chunked_step_equals_the_unchunked_one(policy, value_slots, monkeypatch):
     """A real step on CPU (seeded random K/V, GQA, odd n) in a workspace that forces chunks of
-    2 requests x 1 layer selects and compacts exactly what the all-at-once step does."""
-    cfg = EvictionConfig(policy=policy, budget=23, window=4, sinks=3)
+    2 requests x 1 layer selects and compacts exactly what the all-at-once step does
+    (trimkv: the all-at-once step reads K/V, the chunked one reads V only for value slots)."""
+    cfg = EvictionConfig(policy=policy, budget=23, window=4, sinks=3, value_slots=value_slots)
     shape = dict(layers=3, kv_heads=2, q_heads=6, head_dim=16, dtype=torch.float32)
     rt, batch = _step(cfg, **shape, requests=5, device="cpu", seed=7)
     monkeypatch.setattr(runtime, "RUNTIME", rt)

@@ -120,15 +120,23 @@ def gather_layout(cfg: EvictionConfig, shapes: KVShapes, b: int, l: int, n: int)
     retention policies log β and positions [b, l, n, H, 1] float32 (the side buffers' rows)."""
     policy = POLICIES[cfg.policy]
     layout = []
-    if policy.reads_kv:
-        kv = ((b, l, n, shapes.kv_heads, shapes.head_dim), shapes.kv_dtype)
-        layout += [kv, kv]
+    kv = ((b, l, n, shapes.kv_heads, shapes.head_dim), shapes.kv_dtype)
+    layout += [kv] * sum(kv_reads(cfg))
     if policy.needs_queries:
         layout.append(((b, l, cfg.window, shapes.q_heads, shapes.head_dim), shapes.q_dtype))
     if policy.needs_retention:
         side = ((b, l, n, shapes.kv_heads, 1), torch.float32)
         layout += [side, side]
     return layout
+
+
+def kv_reads(cfg: EvictionConfig) -> tuple[bool, bool]:
+    """Whether a step of this config gathers (keys, values). trimkv scores from the side
+    buffers alone; only its value slots (the VaSE hybrid) read V."""
+    policy = POLICIES[cfg.policy]
+    if policy.needs_retention:
+        return False, cfg.n_value_slots > 0
+    return policy.reads_kv, policy.reads_kv
 
 
 def _nbytes(shape, dtype) -> int:
@@ -184,14 +192,17 @@ def evict_chunk(cfg: EvictionConfig, k_buffers, v_buffers, ring, workspace: Work
     h, d = k_buffers[0].shape[1], k_buffers[0].shape[2]
     layers = range(first_layer, first_layer + l)
     views = workspace.views(gather_layout(cfg, _shapes_of(k_buffers, ring, cfg), b, l, n))
-    if policy.reads_kv:
-        keys, values = views[0], views[1]
+    unread = torch.zeros((), device=slots.device).expand(b, l, h, n, d)  # shapes only, no copy
+    gathered_kv, used = [], 0  # views[:used] hold the K/V gathers, in gather_layout's order
+    for read, buffers in zip(kv_reads(cfg), (k_buffers, v_buffers)):
+        if not read:  # random / streaming / plain trimkv
+            gathered_kv.append(unread)
+            continue
+        out, used = views[used], used + 1
         for j, layer in enumerate(layers):
-            torch.ops.aten.index.Tensor_out(k_buffers[layer], [slots], out=keys[:, j])
-            torch.ops.aten.index.Tensor_out(v_buffers[layer], [slots], out=values[:, j])
-        keys, values = keys.transpose(2, 3), values.transpose(2, 3)  # [b, l, H, n, D]
-    else:  # random / streaming: shapes only, no copy
-        keys = values = torch.zeros((), device=slots.device).expand(b, l, h, n, d)
+            torch.ops.aten.index.Tensor_out(buffers[layer], [slots], out=out[:, j])
+        gathered_kv.append(out.transpose(2, 3))  # [b, l, H, n, D]
+    keys, values = gathered_kv
     queries = None
     if policy.needs_queries:
         gathered = views[-1]
