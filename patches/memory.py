@@ -119,9 +119,9 @@ def around_profile(original, self, *args, **kwargs):
             reserve = min(reserve, (capped + (get_schedule().page_size or 1)) * side)
         available -= reserve
         logger.info(
-            "VaSE retention side buffers: reserving %.1f MiB (%d bytes per token slot beside "
-            "%d of K/V: log β and position, float32, per layer and KV head)",
-            reserve / 2**20, side, kv_per_token)
+            "VaSE retention side buffers: reserving %.1f MiB (%d bytes; %d bytes per token slot "
+            "beside %d of K/V: log β and position, float32, per layer and KV head)",
+            reserve / 2**20, reserve, side, kv_per_token)
     if not POLICIES[cfg.policy].needs_queries:
         return available
     # The extend capture keeps one int64 ring row per pool token (EvictionRuntime.token_rows):

@@ -174,9 +174,9 @@ def after_post_pool(result, model_runner):
     )
     if retention is not None:
         _install_retention_gate(model_runner.model, layers)
-        logger.info("VaSE retention gates %s loaded: side buffers %.1f MiB (log β and position, "
-                    "float32 [%d slots, %d KV heads] x %d layers x 2), gates %.1f MiB",
-                    settings.gates_path_from_env(), retention.nbytes() / 2**20,
+        logger.info("VaSE retention gates %s loaded: side buffers %.1f MiB = %d bytes (log β and "
+                    "position, float32 [%d slots, %d KV heads] x %d layers x 2), gates %.1f MiB",
+                    settings.gates_path_from_env(), retention.nbytes() / 2**20, retention.nbytes(),
                     retention.log_beta[0].shape[0], pool.head_num, len(pool.k_buffer),
                     sum(t.numel() * 4 for t in (retention.w1, retention.b1, retention.w2,
                                                 retention.b2)) / 2**20)

@@ -119,3 +119,19 @@ def test_retention_not_age_decides(served, hf_model):
     cfg = EvictionConfig(policy="streaming", budget=BUDGET, window=WINDOW)
     stream = ReferenceDecoder(hf_model, cfg, page_size=PAGE).run(prompt, forced_ids=tokens)
     assert _max_diff(logprobs, stream["logprobs"]) > 1e-2
+
+
+def test_side_buffers_fit_their_reservation(trimkv_server):
+    """The side buffers allocated next to the pool (one row per slot) fit the bytes the memory
+    plan reserved before sizing the pool (--max-total-tokens 4096, pages of 16: 4112 slots x 2
+    layers x 2 KV heads x 8 bytes)."""
+    import re
+
+    log = trimkv_server.output()
+    reserved = re.search(r"VaSE retention side buffers: reserving [\d.]+ MiB \((\d+) bytes", log)
+    allocated = re.search(r"side buffers [\d.]+ MiB = (\d+) bytes .*\[(\d+) slots, (\d+) KV heads\] "
+                          r"x (\d+) layers", log)
+    assert reserved and allocated, log[-3000:]
+    nbytes, slots, heads, layers = map(int, allocated.groups())
+    assert nbytes == slots * heads * layers * 8 and slots >= 4096
+    assert nbytes <= int(reserved.group(1))
