@@ -281,6 +281,22 @@ def test_servers_need_gates_for_trimkv_at_startup_and_per_request():
                             has_gates=True).n_value_slots == 0
 
 
+def test_engine_users_set_gates_through_configure(monkeypatch):
+    """sgl.Engine users: configure(retention_gates=...) writes the variable the schedulers
+    read; trimkv without it is refused naming the keyword."""
+    import vase_sglang_patches as plugin
+    from vase_sglang_patches import settings
+
+    for suffix in (*settings.FLAGS, *settings.SERVER_FLAGS):  # restored after the test
+        monkeypatch.setenv(settings.env_name(suffix), "")
+    with pytest.raises(ValueError, match="^policy: trimkv needs retention gates: set "
+                                         "retention_gates"):
+        plugin.configure(policy="trimkv", budget=64, window=16)
+    cfg = plugin.configure(policy="trimkv", budget=64, window=16, retention_gates="/g.safetensors")
+    assert settings.gates_path_from_env() == "/g.safetensors"
+    assert settings.config_from_env() == cfg and cfg.policy == "trimkv"
+
+
 def test_server_gates_check_names_the_flag(tiny_model_fp32, tmp_path):
     """The check each scheduler (and the launcher) runs on --kv-evict-retention-gates: the
     file's own reason, prefixed with the flag."""
