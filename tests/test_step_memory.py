@@ -72,18 +72,17 @@ def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, 
         perm = torch.randperm(slots_total - 1, generator=gen) + 1
         req_to_token = torch.zeros(requests + 1, per_req + 8, dtype=torch.int32)
         req_to_token[:requests, :per_req] = perm[: requests * per_req].view(requests, per_req).int()
-    retention = None
+    rt = runtime.EvictionRuntime(
+        cfg=cfg, k_buffers=k_buffers, v_buffers=v_buffers, req_to_token=req_to_token,
+        allocator=_Allocator(), num_q_heads=q_heads, head_dim=head_dim, start_layer=0,
+        queries=ring, workspace=workspace,
+    )
     if POLICIES[cfg.policy].needs_retention:  # trimkv: side buffers of log β and position
         side = [[tensor(slots_total, kv_heads, 1, dt=torch.float32) for _ in range(layers)]
                 for _ in range(2)]
         if device != "meta":
             side[0] = [torch.nn.functional.logsigmoid(t) for t in side[0]]
-        retention = runtime.RetentionBuffers(None, None, None, None, *side)
-    rt = runtime.EvictionRuntime(
-        cfg=cfg, k_buffers=k_buffers, v_buffers=v_buffers, req_to_token=req_to_token,
-        allocator=_Allocator(), num_q_heads=q_heads, head_dim=head_dim, start_layer=0,
-        queries=ring, workspace=workspace, retention=retention,
-    )
+        rt.retention = runtime.RetentionBuffers(None, None, None, None, *side)
     reqs = [_request(i, n, window) for i in range(requests)]
     lens = torch.full((requests,), 3 + n + window, dtype=torch.int64)
     batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=lens, seq_lens=lens.to(device),
