@@ -77,16 +77,16 @@ def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, 
         allocator=_Allocator(), num_q_heads=q_heads, head_dim=head_dim, start_layer=0,
         queries=ring, workspace=workspace,
     )
+    reqs = [_request(i, n, window) for i in range(requests)]
+    lens = torch.full((requests,), 3 + n + window, dtype=torch.int64)
+    batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=lens, seq_lens=lens.to(device),
+                            orig_seq_lens=None, seq_lens_sum=None, batch_is_full=True)
     if POLICIES[cfg.policy].needs_retention:  # trimkv: side buffers of log β and position
         side = [[tensor(slots_total, kv_heads, 1, dt=torch.float32) for _ in range(layers)]
                 for _ in range(2)]
         if device != "meta":
             side[0] = [torch.nn.functional.logsigmoid(t) for t in side[0]]
         rt.retention = runtime.RetentionBuffers(None, None, None, None, *side)
-    reqs = [_request(i, n, window) for i in range(requests)]
-    lens = torch.full((requests,), 3 + n + window, dtype=torch.int64)
-    batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=lens, seq_lens=lens.to(device),
-                            orig_seq_lens=None, seq_lens_sum=None, batch_is_full=True)
     return rt, batch
 
 
