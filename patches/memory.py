@@ -90,8 +90,8 @@ def around_profile(original, self, *args, **kwargs):
 
     from .admission import charge_len
     from .model_runner import _attention_layers
-    from .runtime import workspace_bytes
-    from .settings import config_from_env
+    from .runtime import side_bytes_per_token, workspace_bytes
+    from .settings import config_from_env, gates_path_from_env
 
     cfg = config_from_env()
     if cfg is None or not cfg.evicts or self.is_draft_worker:
@@ -108,9 +108,22 @@ def around_profile(original, self, *args, **kwargs):
         (buffer + headroom) / 2**20, buffer / 2**20, headroom / 2**20, units, cfg.budget,
         "" if cfg.workspace_mb else "; set --kv-evict-workspace-mb to choose",
     )
+    kv_per_token = len(layers) * 2 * shapes.kv_heads * shapes.head_dim * shapes.kv_dtype.itemsize
+    if gates_path_from_env():
+        # trimkv's side buffers have one row per pool slot (RetentionBuffers): take their share
+        # of the bytes left, as the pool takes the rest.
+        side = side_bytes_per_token(len(layers), shapes.kv_heads)
+        reserve = available * side // (kv_per_token + side)
+        capped = get_schedule().max_total_tokens
+        if capped:  # the pool will hold at most this many slots (plus a padding page)
+            reserve = min(reserve, (capped + (get_schedule().page_size or 1)) * side)
+        available -= reserve
+        logger.info(
+            "VaSE retention side buffers: reserving %.1f MiB (%d bytes; %d bytes per token slot "
+            "beside %d of K/V: log β and position, float32, per layer and KV head)",
+            reserve / 2**20, reserve, side, kv_per_token)
     if not POLICIES[cfg.policy].needs_queries:
         return available
-    kv_per_token = len(layers) * 2 * shapes.kv_heads * shapes.head_dim * shapes.kv_dtype.itemsize
     # The extend capture keeps one int64 ring row per pool token (EvictionRuntime.token_rows):
     # take its share of the bytes left, as the pool takes the rest.
     available -= available * 8 // (kv_per_token + 8)

@@ -11,7 +11,7 @@ from vase_sglang import capture
 from vase_sglang.capture import SCRATCH_ROW
 from vase_sglang.policies import POLICIES, AttentionParams
 
-from . import output, runtime
+from . import output, runtime, settings
 from .memory import query_ring_dtype
 
 logger = logging.getLogger("vase_sglang.eviction")
@@ -21,6 +21,9 @@ TARGET_POST_POOL = (
 )
 TARGET_ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention.forward"
 TARGET_FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+# Not a class patch: a torch forward pre-hook on each instance that owns a RadixAttention
+# (installed by after_post_pool with --kv-evict-retention-gates), e.g.
+TARGET_RETENTION_GATE = "sglang.srt.models.qwen3.Qwen3Attention.forward (and Qwen2's, Llama's)"
 
 
 def _attention_layers(model):
@@ -152,6 +155,7 @@ def after_post_pool(result, model_runner):
         # padded prefill-graph buckets are at most the largest captured bucket.
         token_rows = torch.full((max(pool.size, _largest_prefill_bucket()) + 1,), SCRATCH_ROW,
                                 dtype=torch.int64, device=device)
+    retention = _retention_buffers(model_runner, pool, head_offset)
     runtime.RUNTIME = runtime.EvictionRuntime(
         cfg=cfg,
         k_buffers=pool.k_buffer,
@@ -166,7 +170,16 @@ def after_post_pool(result, model_runner):
         attention=attention,
         kv_head_offset=head_offset,
         page_size=model_runner.token_to_kv_pool_allocator.page_size,
+        retention=retention,
     )
+    if retention is not None:
+        _install_retention_gate(model_runner.model, layers)
+        logger.info("VaSE retention gates %s loaded: side buffers %.1f MiB = %d bytes (log β and "
+                    "position, float32 [%d slots, %d KV heads] x %d layers x 2), gates %.1f MiB",
+                    settings.gates_path_from_env(), retention.nbytes() / 2**20, retention.nbytes(),
+                    retention.log_beta[0].shape[0], pool.head_num, len(pool.k_buffer),
+                    sum(t.numel() * 4 for t in (retention.w1, retention.b1, retention.w2,
+                                                retention.b2)) / 2**20)
     output.enable_in_scheduler()
     ring = 0 if queries is None else queries.numel() * queries.element_size()
     rows_mb = 0 if token_rows is None else token_rows.numel() * token_rows.element_size() / 2**20
@@ -179,6 +192,51 @@ def after_post_pool(result, model_runner):
         workspace.size / 2**20, workspace.buffer_bytes / 2**20, workspace.headroom / 2**20,
         head_offset, attention,
     )
+
+
+def _retention_buffers(model_runner, pool, head_offset: int):
+    """With --kv-evict-retention-gates: the gates (checked against the served model) and the
+    side buffers, one row per pool slot (reserved in the memory plan: memory.around_profile)."""
+    path = settings.gates_path_from_env()
+    if not path:
+        return None
+    gates = settings.load_server_gates(path, model_runner.model_config.hf_config)
+    start = getattr(pool, "start_layer", 0) or 0
+    if start + len(pool.k_buffer) > gates.layers:
+        raise ValueError(f"--kv-evict-retention-gates: {gates.layers} layers of gates, the pool "
+                         f"holds layers {start}..{start + len(pool.k_buffer) - 1}")
+    return runtime.RetentionBuffers.allocate(
+        gates, slots=pool.k_buffer[0].shape[0], layers=len(pool.k_buffer),
+        kv_heads=pool.head_num, head_offset=head_offset, device=pool.k_buffer[0].device)
+
+
+def _install_retention_gate(model, layers) -> None:
+    """A forward pre-hook on the module that owns each RadixAttention (Qwen2/Qwen3/Llama
+    `self_attn`, called as self_attn(positions=, hidden_states=, forward_batch=)): its
+    hidden_states are the attention input the gates were trained on (after input_layernorm)."""
+    owners = [m for m in model.modules() if getattr(m, "attn", None) in layers]
+    if len(owners) != len(layers):
+        raise ValueError(f"--kv-evict-retention-gates: found the attention module of "
+                         f"{len(owners)} of {len(layers)} layers; the gate needs each layer's "
+                         f"attention input")
+    for module in owners:
+        module.register_forward_pre_hook(_retention_pre_hook, with_kwargs=True)
+
+
+def _retention_pre_hook(module, args, kwargs):
+    """Forward pre-hook on <model>.layers[i].self_attn (see _install_retention_gate)."""
+    rt = runtime.RUNTIME
+    if rt is None or rt.retention is None:
+        return None
+    try:
+        x, positions, fb = kwargs["hidden_states"], kwargs["positions"], kwargs["forward_batch"]
+    except KeyError:
+        raise RuntimeError(f"{type(module).__name__}.forward was not called with keyword "
+                           f"arguments positions=, hidden_states=, forward_batch=; the "
+                           f"retention gate cannot find its input") from None
+    if x.shape[0]:
+        rt.record_retention(module.attn.layer_id, x, positions, fb)
+    return None
 
 
 def _largest_prefill_bucket() -> int:

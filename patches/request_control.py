@@ -31,9 +31,10 @@ def _fail(field: str | None, message: str):
 
 
 def effective_config(custom_params, server_cfg: EvictionConfig | None,
-                     page_size: int = 1) -> EvictionConfig | None:
+                     page_size: int = 1, has_gates: bool = False) -> EvictionConfig | None:
     """The settings for one request: None = no eviction. Raises ValueError naming
-    `kv_evict.<field>` for values the server cannot apply (`page_size`: its KV pages)."""
+    `kv_evict.<field>` for values the server cannot apply (`page_size`: its KV pages;
+    `has_gates`: whether it loaded --kv-evict-retention-gates, which trimkv needs)."""
     value = custom_params.get(KEY) if isinstance(custom_params, dict) else None
     server = server_cfg if server_cfg is not None and server_cfg.evicts else None
     if value is None:
@@ -77,9 +78,9 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None,
         raise ValueError(f"{KEY}.{err}") from None  # EvictionConfig names the field first
 
     policy = POLICIES[cfg.policy]
-    if policy.needs_retention:
-        _fail("policy", f"{cfg.policy!r} needs retention gates, which no server loads yet "
-                        f"(issue 15)")
+    if policy.needs_retention and not has_gates:
+        _fail("policy", f"{cfg.policy!r} needs retention gates, which this server did not "
+                        f"load; start it with --kv-evict-retention-gates PATH")
     if policy.needs_queries:
         # The query ring is sized (and only allocated) for the server's policy and window.
         if not POLICIES[server.policy].needs_queries:
@@ -106,6 +107,12 @@ def server_page_size() -> int:
     return page_size_from_env()
 
 
+def server_has_gates() -> bool:
+    from .settings import gates_path_from_env
+
+    return gates_path_from_env() is not None
+
+
 def after_verify(result, self, *args, **kwargs):
     """AFTER SamplingParams.verify (tokenizer manager): reject bad kv_evict values, and beam
     search where the request would evict, with a ValueError, which SGLang answers with
@@ -113,7 +120,7 @@ def after_verify(result, self, *args, **kwargs):
     custom = self.custom_params
     beam = (self.beam_width or 1) > 1
     if beam or (isinstance(custom, dict) and custom.get(KEY) is not None):
-        cfg = effective_config(custom, server_config(), server_page_size())
+        cfg = effective_config(custom, server_config(), server_page_size(), server_has_gates())
         if beam and cfg is not None:
             refuse_beam_search(self.beam_width)
     return result

@@ -88,6 +88,7 @@ class EvictionRuntime:
     # persistent buffer because recorded prefill graphs read it (vase_sglang.capture).
     token_rows: torch.Tensor | None = None
     page_size: int = 1  # the allocator's; the step keeps the paged row layout (module doc)
+    retention: RetentionBuffers | None = None  # with --kv-evict-retention-gates: trimkv served
 
     def __post_init__(self):
         k = self.k_buffers[0]
@@ -108,6 +109,9 @@ class EvictionRuntime:
             from vase_sglang.ops.compact import pointer_table
 
             pointer_table(self.k_buffers, k.device), pointer_table(self.v_buffers, k.device)
+            if self.retention is not None:
+                pointer_table(self.retention.log_beta, k.device)
+                pointer_table(self.retention.position, k.device)
         self._warned: set[int] = set()
 
     @property
@@ -126,6 +130,16 @@ class EvictionRuntime:
         elif mode.is_extend() and forward_batch.extend_seq_lens is not None:
             capture.capture_extend_queries(ring, q, self.token_rows, forward_batch.positions,
                                            self.cfg.window)
+
+    def record_retention(self, layer_id: int, hidden_states: torch.Tensor, positions: torch.Tensor,
+                         forward_batch) -> None:
+        """trimkv's gate for the tokens of this forward, at their creation (every layer, prefill
+        and decode): log β and true position into the side buffers. Runs inside CUDA graphs."""
+        r = self.retention
+        layer = layer_id - self.start_layer  # side buffers: pool layers; gates: global layers
+        capture.record_retention(r.log_beta[layer], r.position[layer], hidden_states,
+                                 r.w1[layer_id], r.b1[layer_id], r.w2[layer_id], r.b2[layer_id],
+                                 forward_batch.out_cache_loc, positions)
 
     def prepare_capture(self, forward_batch) -> None:
         """Once per ForwardBatch, before its forward (recorded or replayed): the ring row of
@@ -251,6 +265,10 @@ class EvictionRuntime:
         ring_index = None
         if POLICIES[cfg.policy].needs_queries:
             ring_index = (rows[:, None], self._ring_entries(first_query, cfg.window))
+        side = now = None
+        if POLICIES[cfg.policy].needs_retention:
+            side = (self.retention.log_beta, self.retention.position)
+            now = first_query + cfg.window  # the true length: the next token's position
         k = None
         for first in range(0, self.num_layers, l_chunk):
             keep = None  # the previous chunk's selection is dead: free it before the next
@@ -258,7 +276,7 @@ class EvictionRuntime:
                 cfg, self.k_buffers, self.v_buffers, self.queries, self.workspace,
                 first_layer=first, num_layers=min(l_chunk, self.num_layers - first),
                 layer_ids=self.layer_ids, slots=slots, ring_index=ring_index,
-                request=request, rounds=rounds, sinks=sinks,
+                request=request, rounds=rounds, sinks=sinks, side=side, now=now,
                 attention=self.attention, head_offset=self.kv_head_offset,
             )
             if k is not None and keep.shape[-1] != k:
@@ -277,8 +295,10 @@ class EvictionRuntime:
             # Copy the newest R into the candidate slots after the kept ones (all layers and
             # heads alike): keep[j] = n - k + j >= j, the compaction's in-place contract.
             shift = (n - k) + torch.arange(window, device=device)
-            ops.compact_kv_(self.k_buffers, self.v_buffers, row_slots[:, k:],
-                            shift.expand(len(rows), self.num_layers, self.shapes.kv_heads, window))
+            shift = shift.expand(len(rows), self.num_layers, self.shapes.kv_heads, window)
+            ops.compact_kv_(self.k_buffers, self.v_buffers, row_slots[:, k:], shift)
+            if side is not None:  # their log β and positions move with them
+                ops.compact_kv_(side[0], side[1], row_slots[:, k:], shift)
             first_free = _round_up(k + window, self.page_size)
             self._free(row_slots[:, first_free:_round_up(n + window, self.page_size)])
         return k
@@ -344,6 +364,45 @@ class EvictionRuntime:
         if getattr(batch, "orig_seq_lens", None) is not None:
             batch.orig_seq_lens = batch.orig_seq_lens - _to_device(delta, batch.orig_seq_lens)
         batch.seq_lens_sum = None
+
+
+@dataclass
+class RetentionBuffers:
+    """trimkv's state in a server (docs/retention.md): the gates of this rank's KV heads on the
+    device (w1 [L, r, hidden], b1 [L, r], w2 [L, H, r], b2 [L, H], float32) and per pool layer
+    the side buffers log_beta and position [slots, H, 1] float32, indexed like the KV pool.
+    Position is float32 (exact below 2^24 tokens) so that one compaction call moves both."""
+
+    w1: torch.Tensor
+    b1: torch.Tensor
+    w2: torch.Tensor
+    b2: torch.Tensor
+    log_beta: list
+    position: list
+
+    @classmethod
+    def allocate(cls, gates, slots: int, layers: int, kv_heads: int, head_offset: int,
+                 device) -> "RetentionBuffers":
+        heads = slice(head_offset, head_offset + kv_heads)
+
+        def on_device(t):
+            return t.detach().float().contiguous().to(device)
+
+        return cls(
+            w1=on_device(gates.w1), b1=on_device(gates.b1),
+            w2=on_device(gates.w2[:, heads]), b2=on_device(gates.b2[:, heads]),
+            log_beta=[torch.zeros(slots, kv_heads, 1, device=device) for _ in range(layers)],
+            position=[torch.zeros(slots, kv_heads, 1, device=device) for _ in range(layers)],
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.log_beta, *self.position))
+
+
+def side_bytes_per_token(layers: int, kv_heads: int) -> int:
+    """Bytes of the trimkv side buffers per pool slot: log β and position, float32, per
+    (layer, KV head)."""
+    return layers * kv_heads * 2 * 4
 
 
 def _round_up(x: int, page_size: int) -> int:
@@ -451,7 +510,7 @@ def request_config(req) -> EvictionConfig | None:
     if cached is _UNSET:
         try:
             cached = request_control.effective_config(req.sampling_params.custom_params, rt.cfg,
-                                                      rt.page_size)
+                                                      rt.page_size, rt.retention is not None)
         except ValueError as err:
             # The tokenizer manager rejects these with HTTP 400; only a path that skips
             # SamplingParams.verify gets here. Serve it with the server's settings.

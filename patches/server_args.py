@@ -19,12 +19,15 @@ def after_add_cli_args(result, parser):
     group = parser.add_argument_group("KV eviction (vase-sglang)")
     for suffix, (_field, _kind, help_text) in settings.FLAGS.items():
         group.add_argument(settings.flag_name(suffix), type=str, default=None, help=help_text)
+    for suffix, help_text in settings.SERVER_FLAGS.items():
+        group.add_argument(settings.flag_name(suffix), type=str, default=None, help=help_text)
 
 
 def after_from_cli_args(result, cls, args):
     """AFTER ServerArgs.from_cli_args: validate the flags, then export them to the environment
     that the spawned scheduler processes inherit. A bad value ends the launch like argparse."""
-    values = {s: getattr(args, "kv_evict_" + s.replace("-", "_"), None) for s in settings.FLAGS}
+    values = {s: getattr(args, "kv_evict_" + s.replace("-", "_"), None)
+              for s in (*settings.FLAGS, *settings.SERVER_FLAGS)}
     if all(v is None for v in values.values()):
         return
     try:
@@ -32,7 +35,7 @@ def after_from_cli_args(result, cls, args):
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    for suffix in settings.FLAGS:  # the flags win over variables left in the environment
+    for suffix in (*settings.FLAGS, *settings.SERVER_FLAGS):  # the flags win over variables left in the environment
         os.environ.pop(settings.env_name(suffix), None)
     settings.export_to_env(values)
 
@@ -76,11 +79,22 @@ def _mrope_architecture(server_args) -> str | None:
     return ", ".join(model_config.hf_config.architectures or ["this model"])
 
 
+def check_gates(server_args) -> None:
+    """A bad --kv-evict-retention-gates file stops the launch here, before any process is
+    spawned (each scheduler loads the file again with the same check)."""
+    path = settings.gates_path_from_env()
+    if path:
+        from sglang.srt.arg_groups.model_override_base import model_config_of
+
+        settings.load_server_gates(path, model_config_of(server_args).hf_config)
+
+
 def after_resolve_once(result, server_args):
     """AFTER ServerArgs.resolve_once: runs in `launch_server` and in `sgl.Engine` alike."""
     cfg = settings.config_from_env()
     if cfg is not None and cfg.evicts:
         check_server_args(server_args, cfg)
+        check_gates(server_args)
         # Per-request settings are checked against the pages in the tokenizer manager,
         # which may run in a spawned process: the environment reaches it.
         os.environ[settings.PAGE_SIZE_ENV] = str(server_args.page_size or 1)

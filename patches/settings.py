@@ -5,7 +5,7 @@ fields, so the canonical channel is the environment (inherited by spawned childr
 
     VASE_KV_EVICT_POLICY, VASE_KV_EVICT_BUDGET, VASE_KV_EVICT_WINDOW,
     VASE_KV_EVICT_VALUE_SLOTS, VASE_KV_EVICT_SINKS, VASE_KV_EVICT_SEED,
-    VASE_KV_EVICT_WORKSPACE_MB
+    VASE_KV_EVICT_WORKSPACE_MB, VASE_KV_EVICT_RETENTION_GATES
 
 VASE_KV_EVICT_PLUGINS (comma-separated modules) is imported first in every process, so
 policies registered there with `vase_sglang.register_policy` can be named.
@@ -22,8 +22,9 @@ from vase_sglang import POLICIES, POLICY_NAMES, EvictionConfig
 
 # flag suffix -> (EvictionConfig field, type, help)
 FLAGS = {
-    "policy": ("policy", str, f"KV eviction policy during decode: {', '.join(POLICY_NAMES)}. "
-               "Unset or 'full' keeps the whole cache (stock SGLang)."),
+    "policy": ("policy", str, f"KV eviction policy during decode: {', '.join(POLICY_NAMES)}, "
+               "trimkv (needs --kv-evict-retention-gates). Unset or 'full' keeps the whole "
+               "cache (stock SGLang)."),
     "budget": ("budget", int, "Tokens kept per layer and KV head after an eviction, including "
                "the recent window (VaSE's T). Default 1024. With --page-size P a request's "
                "private cache cycles between ceil(T/P) and ceil((T+R)/P) pages; multiples of "
@@ -39,6 +40,16 @@ FLAGS = {
                      "(gathered K/V and score temporaries; the step is chunked over layers and "
                      "requests to stay inside it). Default: sized for 64 requests of one layer "
                      "at the configured budget; the size is logged at startup."),
+}
+
+
+# Server-only settings: not EvictionConfig fields, because a request cannot choose them (the
+# gates are one file per model, loaded once per scheduler process and run for every token).
+GATES = "retention-gates"
+SERVER_FLAGS = {
+    GATES: "Retention gates file (safetensors, `python -m vase_sglang.retention train`) of "
+           "this model: the gate runs for every token and any request may ask for "
+           "policy trimkv. Required by --kv-evict-policy trimkv.",
 }
 
 
@@ -74,8 +85,8 @@ def config_from_values(values: dict[str, object], source=flag_name) -> EvictionC
         except ValueError:
             raise ValueError(f"{source(suffix)}: expected an integer, got {raw!r}") from None
     if "policy" not in kwargs:
-        if kwargs:
-            first = next(s for s in FLAGS if values.get(s) not in (None, ""))
+        if kwargs or values.get(GATES):
+            first = next(s for s in (*FLAGS, GATES) if values.get(s) not in (None, ""))
             raise ValueError(f"{source(first)}: set {source('policy')} too, or drop this option")
         return None
     try:
@@ -85,10 +96,10 @@ def config_from_values(values: dict[str, object], source=flag_name) -> EvictionC
         suffix = next((s for s, (f, _, _) in FLAGS.items() if f == field), None)
         name = source(suffix) if suffix else field
         raise ValueError(f"{name}: {message}") from None
-    if cfg.evicts and POLICIES[cfg.policy].needs_retention:  # trimkv: not served yet
-        raise ValueError(f"{source('policy')}: {cfg.policy} is not served yet (it needs "
-                         f"retention gates loaded into the server; issue 15); it runs in the "
-                         f"transformers reference (vase_sglang.hf_reference, gates=...)")
+    if cfg.evicts and POLICIES[cfg.policy].needs_retention and not values.get(GATES):
+        raise ValueError(f"{source('policy')}: {cfg.policy} needs retention gates: set "
+                         f"{source(GATES)} PATH (train them with `python -m "
+                         f"vase_sglang.retention train --model ...`)")
     return cfg
 
 
@@ -114,12 +125,28 @@ def import_policy_modules(environ=os.environ) -> None:
 def config_from_env(environ=os.environ) -> EvictionConfig | None:
     """The eviction config of this process, or None when eviction is off."""
     import_policy_modules(environ)
-    values = {suffix: environ.get(env_name(suffix)) for suffix in FLAGS}
+    values = {suffix: environ.get(env_name(suffix)) for suffix in (*FLAGS, *SERVER_FLAGS)}
     return config_from_values(values, source=env_name)
 
 
+def gates_path_from_env(environ=os.environ) -> str | None:
+    """The server's retention gates file (validated at startup), or None."""
+    return environ.get(env_name(GATES)) or None
+
+
+def load_server_gates(path, hf_config, source=flag_name):
+    """The gates in `path` for the served model (vase_sglang.retention.load_gates); a bad file
+    raises ValueError naming the flag (or variable) and the reason."""
+    from vase_sglang.retention import GatesError, load_gates
+
+    try:
+        return load_gates(path, hf_config)
+    except GatesError as err:
+        raise ValueError(f"{source(GATES)}: {err}") from None
+
+
 def export_to_env(values: dict[str, object], environ=os.environ) -> None:
-    for suffix in FLAGS:
+    for suffix in (*FLAGS, *SERVER_FLAGS):
         value = values.get(suffix)
         if value is not None:
             environ[env_name(suffix)] = str(value)
@@ -128,15 +155,18 @@ def export_to_env(values: dict[str, object], environ=os.environ) -> None:
 def configure(**kwargs) -> EvictionConfig | None:
     """Engine users: `configure(policy="vase-attnv", budget=1024)` before `sgl.Engine(...)`.
 
-    Keys are EvictionConfig fields; validates, then writes the VASE_KV_EVICT_* variables.
+    Keys are EvictionConfig fields and `retention_gates` (a path); validates, then writes the
+    VASE_KV_EVICT_* variables.
     """
     by_field = {f: s for s, (f, _, _) in FLAGS.items()}
+    by_field.update({s.replace("-", "_"): s for s in SERVER_FLAGS})
     unknown = set(kwargs) - set(by_field)
     if unknown:
         raise ValueError(f"{sorted(unknown)[0]}: not an eviction setting; use {sorted(by_field)}")
     values = {by_field[k]: v for k, v in kwargs.items()}
-    cfg = config_from_values(values, source=lambda s: FLAGS[s][0])
-    for suffix in FLAGS:
+    cfg = config_from_values(values, source=lambda s: FLAGS[s][0] if s in FLAGS
+                             else s.replace("-", "_"))
+    for suffix in (*FLAGS, *SERVER_FLAGS):
         os.environ.pop(env_name(suffix), None)
     export_to_env(values)
     return cfg

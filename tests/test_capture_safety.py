@@ -371,3 +371,75 @@ def test_graph_capture_check_harness_detects_a_wrong_capture(monkeypatch):
     result = capture.graph_capture_check("cpu")
     assert not result["ok"] and not result["checks"]["extend"]["ok"]
     assert result["checks"]["decode"]["ok"]
+
+
+# ------------------------------------------------------- trimkv's retention gate
+
+
+def _gate_args(gen, bucket, slots=64, hidden=24, rank=8, layers=LAYERS, kv_heads=2):
+    return (torch.zeros(layers, slots, kv_heads, 1), torch.zeros(layers, slots, kv_heads, 1),
+            torch.randn(layers, rank, hidden, generator=gen), torch.randn(layers, rank, generator=gen),
+            torch.randn(layers, kv_heads, rank, generator=gen), torch.randn(layers, kv_heads, generator=gen),
+            torch.randn(bucket, hidden, generator=gen))
+
+
+def _gate_forward(module_layer, mode):
+    """The serving entry point inside the recorded forward: the pre-hook on self_attn
+    (patches/model_runner._retention_pre_hook) with this runtime's buffers and gates."""
+    from vase_sglang_patches import model_runner, runtime
+
+    def forward_layer(log_beta, position, w1, b1, w2, b2, x, out_cache_loc, positions):
+        rt = runtime.RUNTIME
+        rt.retention = runtime.RetentionBuffers(w1, b1, w2, b2, list(log_beta), list(position))
+        module = SimpleNamespace(attn=SimpleNamespace(layer_id=module_layer))
+        fb = SimpleNamespace(forward_mode=mode, out_cache_loc=out_cache_loc)
+        model_runner._retention_pre_hook(
+            module, (), {"positions": positions, "hidden_states": x, "forward_batch": fb})
+
+    return forward_layer
+
+
+@pytest.mark.parametrize("mode", [Mode.DECODE, Mode.EXTEND])
+def test_retention_gate_hook_is_capturable(monkeypatch, mode):
+    """trimkv's gate (log β and position into the side buffers) on a graph bucket with
+    padding tokens (out_cache_loc 0, position 0): static shapes, no host read, no transfer."""
+    from vase_sglang_patches import runtime
+
+    monkeypatch.setattr(runtime, "RUNTIME", make_runtime())
+    gen = torch.Generator().manual_seed(9)
+    bucket = 8 if mode is Mode.DECODE else 37
+    args = _gate_args(gen, bucket)
+    loc = torch.zeros(bucket, dtype=torch.int64)
+    hazards = capture_hazards(_gate_forward(1, mode), *args, loc, torch.zeros(bucket, dtype=torch.int64))
+    assert hazards == []
+
+
+def test_retention_gate_hook_writes_the_gates_log_beta_and_position(monkeypatch):
+    """Real tokens: the slot of each token holds RetentionGates.log_beta of its input and its
+    true position, for this layer only; padding tokens go to slot 0 only."""
+    from vase_sglang import retention as R
+    from vase_sglang_patches import runtime
+
+    monkeypatch.setattr(runtime, "RUNTIME", make_runtime())
+    gen = torch.Generator().manual_seed(10)
+    real, bucket, layer = 5, 9, 2
+    log_beta, position, w1, b1, w2, b2, x = _gate_args(gen, bucket)
+    loc = torch.zeros(bucket, dtype=torch.int64)
+    loc[:real] = torch.tensor([7, 3, 40, 12, 63])
+    positions = torch.zeros(bucket, dtype=torch.int64)
+    positions[:real] = torch.tensor([100, 5, 2**20 + 3, 64, 9])
+    _gate_forward(layer, Mode.EXTEND)(log_beta, position, w1, b1, w2, b2, x, loc, positions)
+
+    gates = R.RetentionGates(LAYERS, x.shape[1], w2.shape[1], gate_hidden=w1.shape[1])
+    with torch.no_grad():
+        for name, t in zip(R.TENSORS, (w1, b1, w2, b2)):
+            getattr(gates, name).copy_(t)
+    expected = gates.log_beta(layer, x[:real])  # [real, H]
+    for i, slot in enumerate(loc[:real].tolist()):
+        torch.testing.assert_close(log_beta[layer, slot, :, 0], expected[i], rtol=0, atol=1e-6)
+        assert position[layer, slot, :, 0].tolist() == [float(positions[i])] * 2
+    touched = set(loc.tolist())
+    untouched = [s for s in range(log_beta.shape[1]) if s not in touched]
+    assert not log_beta[layer, untouched].any() and not position[layer, untouched].any()
+    others = [i for i in range(LAYERS) if i != layer]
+    assert not log_beta[others].any() and not position[others].any()

@@ -16,7 +16,7 @@ from vase_sglang.hf_reference import ReferenceDecoder
 
 BUDGET, WINDOW, SEED = 32, 8, 5
 TOL = 1e-4  # as the single-process faithfulness test: fp32 on both sides, summation order
-TP_POLICIES = ["snapkv", "vase-attnv", "vase-dkv", "random", "streaming"]
+TP_POLICIES = ["snapkv", "vase-attnv", "vase-dkv", "random", "streaming", "trimkv"]
 # Two ranks on this 1-NUMA-node machine: SGLang needs their cores named explicitly.
 TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 torch.set_num_threads(1)
@@ -36,8 +36,22 @@ def _served(server, prompt_ids, n, policy, seed):
 
 
 @pytest.fixture(scope="module")
-def tp2_server(tiny_model_fp32):
-    with Server(tiny_model_fp32, _args("--tp-size", "2"), env=TWO_RANKS) as server:
+def gates_file(tiny_model_fp32, tmp_path_factory):
+    """trimkv gates with widely spread β, different per KV head: each rank must use the gate
+    rows of its own head."""
+    from transformers import AutoConfig
+
+    from vase_sglang import retention as R
+
+    config = AutoConfig.from_pretrained(tiny_model_fp32)
+    gates = R.RetentionGates.for_model(config, gate_hidden=8, bias_init=2.0, init_std=0.5, seed=7)
+    return R.save_gates(tmp_path_factory.mktemp("gates") / "g.safetensors", gates, config)
+
+
+@pytest.fixture(scope="module")
+def tp2_server(tiny_model_fp32, gates_file):
+    args = _args("--tp-size", "2", "--kv-evict-retention-gates", str(gates_file))
+    with Server(tiny_model_fp32, args, env=TWO_RANKS) as server:
         yield server
 
 
@@ -47,7 +61,7 @@ def hf_model(tiny_model_fp32):
 
 
 @pytest.mark.parametrize("policy", TP_POLICIES)
-def test_tp2_equals_the_single_process_reference(tp2_server, hf_model, policy):
+def test_tp2_equals_the_single_process_reference(tp2_server, hf_model, gates_file, policy):
     """tp=2 serves what one process computes: logprobs teacher-forced within TOL, and the same
     greedy text as the reference decoding on its own (one process, all KV heads). The
     tiny model has 2 KV heads, so each rank evicts one of them; its random draws must be
@@ -56,14 +70,16 @@ def test_tp2_equals_the_single_process_reference(tp2_server, hf_model, policy):
     seed = 31
     tokens, logprobs, meta = _served(tp2_server, prompt, 200, policy, seed)
     cfg = EvictionConfig(policy=policy, budget=BUDGET, window=WINDOW, seed=SEED)
-    ref = ReferenceDecoder(hf_model, cfg)
+    gates = gates_file if policy == "trimkv" else None
+    ref = ReferenceDecoder(hf_model, cfg, gates=gates)
     forced = ref.run(prompt, forced_ids=tokens, request_key=seed)
     assert forced["rounds"] >= 3 and meta["kv_evicted_tokens"] == forced["evicted"] > 0
     diff = max(abs(a - b) for a, b in zip(logprobs, forced["logprobs"]))
     assert diff < TOL, f"{policy}: max logprob diff {diff:.3g}"
     assert ref.run(prompt, max_new_tokens=200, request_key=seed)["tokens"] == tokens
     # Negative control: a reference that keeps more tokens diverges after its evictions.
-    other = ReferenceDecoder(hf_model, cfg.replace(budget=BUDGET + WINDOW, value_slots=None))
+    other = ReferenceDecoder(hf_model, cfg.replace(budget=BUDGET + WINDOW, value_slots=None),
+                             gates=gates)
     other_lp = other.run(prompt, forced_ids=tokens, request_key=seed)["logprobs"]
     assert max(abs(a - b) for a, b in zip(logprobs, other_lp)) > 1e-2
 

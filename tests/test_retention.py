@@ -250,30 +250,79 @@ def test_reference_trimkv_matches_a_replay_of_the_definition(fp32_model, tmp_pat
     assert stream.run(prompt, max_new_tokens=steps)["logprobs"] != out["logprobs"]
 
 
-# ---------------------------------------------------------------- servers refuse trimkv
+# ---------------------------------------------------------------- servers and trimkv
 
 
-def test_servers_refuse_trimkv_at_startup_and_per_request():
-    """Not served yet (the gate, its side buffer and --kv-evict-retention-gates are not
-    built): a launch flag naming it fails like argparse, a request asking for it gets the
-    ValueError that SGLang answers with HTTP 400."""
+def test_servers_need_gates_for_trimkv_at_startup_and_per_request():
+    """A launch naming trimkv without --kv-evict-retention-gates fails like argparse; a request
+    asking for it on a server without gates gets the ValueError that SGLang answers with HTTP
+    400; with gates, both are accepted (per-request value_slots included)."""
     from vase_sglang_patches.request_control import effective_config
     from vase_sglang_patches.settings import config_from_values
 
-    with pytest.raises(ValueError, match="--kv-evict-policy: trimkv is not served yet"):
+    with pytest.raises(ValueError, match="--kv-evict-policy: trimkv needs retention gates: set "
+                                         "--kv-evict-retention-gates"):
         config_from_values({"policy": "trimkv", "budget": "64", "window": "16"})
+    with pytest.raises(ValueError, match="--kv-evict-retention-gates: set --kv-evict-policy too"):
+        config_from_values({"retention-gates": "g.safetensors"})
+    served = config_from_values({"policy": "trimkv", "budget": "64", "window": "16",
+                                 "retention-gates": "g.safetensors"})
+    assert served.policy == "trimkv" and served.n_value_slots == 0
+
     server = config_from_values({"policy": "vase-attnv", "budget": "64", "window": "16"})
-    with pytest.raises(ValueError, match="kv_evict.policy: 'trimkv' needs retention gates"):
+    with pytest.raises(ValueError, match="kv_evict.policy: 'trimkv' needs retention gates, which "
+                                         "this server did not load"):
         effective_config({"kv_evict": {"policy": "trimkv"}}, server)
     assert effective_config({"kv_evict": {"policy": "snapkv"}}, server).policy == "snapkv"
+    hybrid = effective_config({"kv_evict": {"policy": "trimkv", "value_slots": 5}}, server,
+                              has_gates=True)
+    assert (hybrid.policy, hybrid.n_value_slots) == ("trimkv", 5)
+    assert effective_config({"kv_evict": {"policy": "trimkv"}}, server,
+                            has_gates=True).n_value_slots == 0
 
 
-def test_launch_server_refuses_trimkv(tiny_model):
-    """The same refusal on a real `python -m sglang.launch_server` (the plugin's flag check)."""
+def test_engine_users_set_gates_through_configure(monkeypatch):
+    """sgl.Engine users: configure(retention_gates=...) writes the variable the schedulers
+    read; trimkv without it is refused naming the keyword."""
+    import vase_sglang_patches as plugin
+    from vase_sglang_patches import settings
+
+    for suffix in (*settings.FLAGS, *settings.SERVER_FLAGS):  # restored after the test
+        monkeypatch.setenv(settings.env_name(suffix), "")
+    with pytest.raises(ValueError, match="^policy: trimkv needs retention gates: set "
+                                         "retention_gates"):
+        plugin.configure(policy="trimkv", budget=64, window=16)
+    cfg = plugin.configure(policy="trimkv", budget=64, window=16, retention_gates="/g.safetensors")
+    assert settings.gates_path_from_env() == "/g.safetensors"
+    assert settings.config_from_env() == cfg and cfg.policy == "trimkv"
+
+
+def test_server_gates_check_names_the_flag(tiny_model_fp32, tmp_path):
+    """The check each scheduler (and the launcher) runs on --kv-evict-retention-gates: the
+    file's own reason, prefixed with the flag."""
+    from vase_sglang_patches.settings import load_server_gates
+
+    config = AutoConfig.from_pretrained(tiny_model_fp32)
+    _, good = _saved(tmp_path, config)
+    assert load_server_gates(good, config).layers == config.num_hidden_layers
+    with pytest.raises(ValueError, match="^--kv-evict-retention-gates: retention gates: .*no such file"):
+        load_server_gates(tmp_path / "missing.safetensors", config)
+    other = AutoConfig.from_pretrained(tiny_model_fp32, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="^--kv-evict-retention-gates: .*trained for another model"):
+        load_server_gates(_saved(tmp_path / "other", other)[1], config)
+
+
+def test_launch_server_refuses_a_bad_gates_file(tiny_model, tmp_path):
+    """On a real `python -m sglang.launch_server`: gates of another model stop the launch with
+    the flag and the reason."""
     from servers import run_launch_server_expect_failure
 
+    other = AutoConfig.from_pretrained(tiny_model, num_hidden_layers=3)
+    _, path = _saved(tmp_path, other)
     code, output = run_launch_server_expect_failure(
-        tiny_model, ["--kv-evict-policy", "trimkv", "--kv-evict-budget", "64", "--kv-evict-window", "16"])
+        tiny_model, ["--kv-evict-policy", "trimkv", "--kv-evict-budget", "64",
+                     "--kv-evict-window", "16", "--kv-evict-retention-gates", str(path)])
     assert code != 0
-    assert "--kv-evict-policy: trimkv is not served yet" in output, output[-3000:]
+    assert "--kv-evict-retention-gates: retention gates:" in output, output[-3000:]
+    assert "trained for another model" in output, output[-3000:]
     assert "fired up and ready" not in output

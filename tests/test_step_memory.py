@@ -14,7 +14,7 @@ import torch
 
 from vase_sglang import EvictionConfig, select_tokens
 from vase_sglang.ops import compact_kv_reference_, planning_for
-from vase_sglang.policies import POLICIES, RKVPolicy, mean_cosine_to_others
+from vase_sglang.policies import POLICIES, Retention, RKVPolicy, mean_cosine_to_others
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vase_sglang.workspace import (KVShapes, PeakMemory, Workspace, chunk_cost, plan_chunks,
@@ -25,7 +25,7 @@ from vase_sglang_patches.memory import kv_shapes
 torch.set_num_threads(1)
 BUILT_IN = [p for p in POLICIES if p in (
     "vase-attnv", "vase-dkv", "snapkv", "rkv", "curdkv", "random", "streaming",
-    "evict-large-values")]
+    "evict-large-values", "trimkv")]
 # Qwen3-4B: 36 layers, 8 KV heads, 32 query heads, head dim 128, bf16.
 QWEN3_4B = dict(layers=36, kv_heads=8, q_heads=32, head_dim=128, dtype=torch.bfloat16)
 
@@ -84,6 +84,12 @@ def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, 
     lens = torch.full((requests,), prefix + n + window, dtype=torch.int64)
     batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=lens, seq_lens=lens.to(device),
                             orig_seq_lens=None, seq_lens_sum=None, batch_is_full=True)
+    if POLICIES[cfg.policy].needs_retention:  # trimkv: side buffers of log β and position
+        side = [[tensor(slots_total, kv_heads, 1, dt=torch.float32) for _ in range(layers)]
+                for _ in range(2)]
+        if device != "meta":
+            side[0] = [torch.nn.functional.logsigmoid(t) for t in side[0]]
+        rt.retention = runtime.RetentionBuffers(None, None, None, None, *side)
     return rt, batch
 
 
@@ -94,7 +100,8 @@ def _meta_workspace(cfg, shapes, device):
 
 @pytest.mark.parametrize("policy,requests,device", [
     ("vase-attnv", 64, "cuda"), ("snapkv", 64, "cuda"), ("rkv", 16, "cuda"),
-    ("vase-dkv", 64, "cuda"), ("snapkv", 64, "cpu"), ("rkv", 16, "cpu")])
+    ("vase-dkv", 64, "cuda"), ("snapkv", 64, "cpu"), ("rkv", 16, "cpu"), ("trimkv", 64, "cuda"),
+    ("trimkv", 64, "cpu")])
 def test_step_peak_memory_stays_inside_the_reserved_workspace(policy, requests, device, monkeypatch):
     """One eviction step, Qwen3-4B shapes, budget T = 2048: its peak extra memory (traced on
     meta tensors, planned as on `device`) fits the workspace the server reserves."""
@@ -173,21 +180,32 @@ def _unchunked(cfg, rt, batch):
     if rt.queries is not None:
         queries = rt.queries[:, rows].permute(1, 0, 3, 2, 4)
     request = torch.tensor([runtime._request_key(r) for r in reqs])
+    retention = side = None
+    if rt.retention is not None:  # trimkv: log β and age from the side buffers, now = length
+        side = [b.clone() for b in rt.retention.log_beta], [b.clone() for b in rt.retention.position]
+        log_beta, position = (torch.stack([b[slots] for b in bufs], dim=1)[..., 0].transpose(2, 3)
+                              for bufs in side)
+        now = torch.tensor([r.kv.kv_allocated_len for r in reqs])
+        retention = Retention(log_beta, now[:, None, None, None] - position)
     keep = select_tokens(cfg, keys, values, queries, request=request[:, None],
                          layer=torch.arange(len(k_bufs))[None, :], round=torch.zeros(len(reqs), 1,
                                                                                     dtype=torch.int64),
-                         sinks=0, check=False)
+                         sinks=0, check=False, retention=retention)
     compact_kv_reference_(k_bufs, v_bufs, slots, keep)
+    if side is not None:
+        compact_kv_reference_(side[0], side[1], slots, keep)
+        k_bufs, v_bufs = k_bufs + side[0], v_bufs + side[1]
     k = keep.shape[-1]
     table[rows[:, None], starts[:, None] + k + torch.arange(window)] = newest.to(table.dtype)
     return k_bufs, v_bufs, table, slots[:, k:].reshape(-1)
 
 
-@pytest.mark.parametrize("policy", BUILT_IN)
-def test_chunked_step_equals_the_unchunked_one(policy, monkeypatch):
+@pytest.mark.parametrize("policy,value_slots", [(p, None) for p in BUILT_IN] + [("trimkv", 5)])
+def test_chunked_step_equals_the_unchunked_one(policy, value_slots, monkeypatch):
     """A real step on CPU (seeded random K/V, GQA, odd n) in a workspace that forces chunks of
-    2 requests x 1 layer selects and compacts exactly what the all-at-once step does."""
-    cfg = EvictionConfig(policy=policy, budget=23, window=4, sinks=3)
+    2 requests x 1 layer selects and compacts exactly what the all-at-once step does
+    (trimkv: the all-at-once step reads K/V, the chunked one reads V only for value slots)."""
+    cfg = EvictionConfig(policy=policy, budget=23, window=4, sinks=3, value_slots=value_slots)
     shape = dict(layers=3, kv_heads=2, q_heads=6, head_dim=16, dtype=torch.float32)
     rt, batch = _step(cfg, **shape, requests=5, device="cpu", seed=7)
     monkeypatch.setattr(runtime, "RUNTIME", rt)
@@ -198,7 +216,11 @@ def test_chunked_step_equals_the_unchunked_one(policy, monkeypatch):
     assert rt._plan(cfg, cfg.budget, 5) == (2, 1)  # 3 request chunks x 3 layer chunks
     rt.evict(batch)
     assert rt.workspace.overflows == 0
-    for got, want in zip(rt.k_buffers + rt.v_buffers, expected[0] + expected[1]):
+    got = rt.k_buffers + rt.v_buffers
+    if rt.retention is not None:
+        got = rt.k_buffers + rt.retention.log_beta + rt.v_buffers + rt.retention.position
+    assert len(got) == len(expected[0] + expected[1])
+    for got, want in zip(got, expected[0] + expected[1]):
         assert torch.equal(got, want)
     assert torch.equal(rt.req_to_token, expected[2])
     assert torch.equal(torch.cat(rt.allocator.freed), expected[3])
@@ -263,7 +285,8 @@ def test_step_makes_no_blocking_host_copies_and_reads_nothing_back(policy, page_
     runtime.step_cost(cfg, rt.shapes, cfg.budget, "cuda")  # plan traces are host-only
     from vase_sglang.ops.compact import pointer_table
 
-    for buffers in (rt.k_buffers, rt.v_buffers):  # built at startup on CUDA (__post_init__)
+    side = () if rt.retention is None else (rt.retention.log_beta, rt.retention.position)
+    for buffers in (rt.k_buffers, rt.v_buffers, *side):  # built at startup on CUDA (__post_init__)
         pointer_table(buffers, torch.device("meta"))
     for name in ("tensor", "as_tensor"):
         make = getattr(torch, name)

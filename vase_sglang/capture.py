@@ -66,6 +66,22 @@ def capture_extend_queries(ring: torch.Tensor, q: torch.Tensor, token_rows: torc
     ring[token_rows[:t], positions[:t] % window] = q.to(ring.dtype)
 
 
+def record_retention(log_beta: torch.Tensor, position: torch.Tensor, x: torch.Tensor,
+                     w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
+                     out_cache_loc: torch.Tensor, positions: torch.Tensor) -> None:
+    """trimkv's gate at token creation, for one layer: log β = logsigmoid(w2 · silu(w1 · x +
+    b1) + b2) of every token x [T, hidden] (T = tokens, or the graph bucket), written with the
+    token's true position into the side buffers log_beta, position [slots, H, 1] (float32) at
+    the slots its K/V go to (out_cache_loc; padding tokens write to slot 0, SGLang's padding
+    slot, as the K/V write does). w2 [H, r], b2 [H]: this rank's KV heads."""
+    t = x.shape[0]
+    h = torch.nn.functional.silu(torch.nn.functional.linear(x.float(), w1, b1))
+    lb = torch.nn.functional.logsigmoid(torch.nn.functional.linear(h, w2, b2))  # [T, H]
+    loc = out_cache_loc[:t]
+    log_beta[loc] = lb[:, :, None]
+    position[loc] = positions[:t].to(position.dtype)[:, None, None].expand(t, lb.shape[1], 1)
+
+
 # ------------------------------------------------- run once per forward, outside graphs
 
 

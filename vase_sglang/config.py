@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 
 # Policy names are the user-facing values of --kv-evict-policy. The registry (policies.POLICIES)
-# also holds "trimkv", which only the transformers reference runs so far (it needs per-token
-# retention from a gates file; issue 15): servers refuse it.
+# also holds "trimkv", which needs per-token retention from a gates file: served only by servers
+# started with --kv-evict-retention-gates (docs/retention.md), so it is not one of these names.
 POLICY_NAMES = (
     "full",
     "vase-attnv",

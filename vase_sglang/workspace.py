@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import ops
 from .config import EvictionConfig
-from .policies import POLICIES, select_tokens
+from .policies import POLICIES, Retention, select_tokens
 
 ALIGN = 256  # bytes: every view carved from the workspace starts aligned for vector loads
 DEFAULT_UNITS = 64  # (request, layer) units per chunk the default workspace is sized for
@@ -116,15 +116,27 @@ def _aligned(nbytes: int) -> int:
 
 def gather_layout(cfg: EvictionConfig, shapes: KVShapes, b: int, l: int, n: int):
     """(shape, dtype) of each gathered tensor of a chunk: keys and values [b, l, n, H, D] (the
-    pool's slot-major rows; viewed as [b, l, H, n, D]) and queries [b, l, W, H_q, D]."""
+    pool's slot-major rows; viewed as [b, l, H, n, D]), queries [b, l, W, H_q, D], and for
+    retention policies log β and positions [b, l, n, H, 1] float32 (the side buffers' rows)."""
     policy = POLICIES[cfg.policy]
     layout = []
-    if policy.reads_kv:
-        kv = ((b, l, n, shapes.kv_heads, shapes.head_dim), shapes.kv_dtype)
-        layout += [kv, kv]
+    kv = ((b, l, n, shapes.kv_heads, shapes.head_dim), shapes.kv_dtype)
+    layout += [kv] * sum(kv_reads(cfg))
     if policy.needs_queries:
         layout.append(((b, l, cfg.window, shapes.q_heads, shapes.head_dim), shapes.q_dtype))
+    if policy.needs_retention:
+        side = ((b, l, n, shapes.kv_heads, 1), torch.float32)
+        layout += [side, side]
     return layout
+
+
+def kv_reads(cfg: EvictionConfig) -> tuple[bool, bool]:
+    """Whether a step of this config gathers (keys, values). trimkv scores from the side
+    buffers alone; only its value slots (the VaSE hybrid) read V."""
+    policy = POLICIES[cfg.policy]
+    if policy.needs_retention:
+        return False, cfg.n_value_slots > 0
+    return policy.reads_kv, policy.reads_kv
 
 
 def _nbytes(shape, dtype) -> int:
@@ -167,37 +179,54 @@ class Workspace:
 def evict_chunk(cfg: EvictionConfig, k_buffers, v_buffers, ring, workspace: Workspace, *,
                 first_layer: int, num_layers: int, layer_ids: torch.Tensor, slots: torch.Tensor,
                 ring_index, request: torch.Tensor, rounds: torch.Tensor, sinks: int,
-                **select_kwargs) -> torch.Tensor:
+                side=None, now: torch.Tensor | None = None, **select_kwargs) -> torch.Tensor:
     """Gather -> select -> compact for requests `slots` [b, n] and pool layers first_layer ..
     first_layer + num_layers - 1; returns keep [b, l, H, K]. ring_index: (ring rows [b, 1],
-    ring entries [b, W]) of the window queries. select_kwargs go to select_tokens as they are."""
+    ring entries [b, W]) of the window queries. Retention policies (trimkv): side = (log β
+    buffers, position buffers), per pool layer [slots, H, 1] float32, compacted with K/V;
+    now [b] the true length of each request (the position of its next token).
+    select_kwargs go to select_tokens as they are."""
     policy = POLICIES[cfg.policy]
     b, n = slots.shape
     l = num_layers
     h, d = k_buffers[0].shape[1], k_buffers[0].shape[2]
     layers = range(first_layer, first_layer + l)
     views = workspace.views(gather_layout(cfg, _shapes_of(k_buffers, ring, cfg), b, l, n))
-    if policy.reads_kv:
-        keys, values = views[0], views[1]
+    unread = torch.zeros((), device=slots.device).expand(b, l, h, n, d)  # shapes only, no copy
+    gathered_kv, used = [], 0  # views[:used] hold the K/V gathers, in gather_layout's order
+    for read, buffers in zip(kv_reads(cfg), (k_buffers, v_buffers)):
+        if not read:  # random / streaming / plain trimkv
+            gathered_kv.append(unread)
+            continue
+        out, used = views[used], used + 1
         for j, layer in enumerate(layers):
-            torch.ops.aten.index.Tensor_out(k_buffers[layer], [slots], out=keys[:, j])
-            torch.ops.aten.index.Tensor_out(v_buffers[layer], [slots], out=values[:, j])
-        keys, values = keys.transpose(2, 3), values.transpose(2, 3)  # [b, l, H, n, D]
-    else:  # random / streaming: shapes only, no copy
-        keys = values = torch.zeros((), device=slots.device).expand(b, l, h, n, d)
+            torch.ops.aten.index.Tensor_out(buffers[layer], [slots], out=out[:, j])
+        gathered_kv.append(out.transpose(2, 3))  # [b, l, H, n, D]
+    keys, values = gathered_kv
     queries = None
     if policy.needs_queries:
         gathered = views[-1]
         for j, layer in enumerate(layers):
             torch.ops.aten.index.Tensor_out(ring[layer], list(ring_index), out=gathered[:, j])
         queries = gathered.permute(0, 1, 3, 2, 4)  # [b, l, H_q, W, D]
+    retention = None
+    if policy.needs_retention:
+        log_beta, position = views[-2], views[-1]
+        for j, layer in enumerate(layers):
+            torch.ops.aten.index.Tensor_out(side[0][layer], [slots], out=log_beta[:, j])
+            torch.ops.aten.index.Tensor_out(side[1][layer], [slots], out=position[:, j])
+        age = now[:, None, None, None] - position[..., 0].transpose(2, 3)  # [b, l, H, n]
+        retention = Retention(log_beta[..., 0].transpose(2, 3), age)
     keep = select_tokens(
         cfg, keys, values, queries,
         request=request[:, None], layer=layer_ids[None, first_layer: first_layer + l],
-        round=rounds[:, None], sinks=sinks, check=False, **select_kwargs,
+        round=rounds[:, None], sinks=sinks, check=False, retention=retention, **select_kwargs,
     )
     ops.compact_kv_(k_buffers, v_buffers, slots, keep, ascending=policy.ascending,
                     first_layer=first_layer)
+    if policy.needs_retention:  # each slot's log β and position move with its K/V
+        ops.compact_kv_(side[0], side[1], slots, keep, ascending=policy.ascending,
+                        first_layer=first_layer)
     return keep
 
 
@@ -229,10 +258,14 @@ def trace_chunk(cfg: EvictionConfig, shapes: KVShapes, n: int, b: int, l: int, s
                   torch.empty(b, cfg.window, dtype=torch.int64, device=meta))
     ids = torch.empty(b, dtype=torch.int64, device=meta)
     layer_ids = torch.empty(l, dtype=torch.int64, device=meta)
+    side = None
+    if POLICIES[cfg.policy].needs_retention:
+        side = tuple([torch.empty(slots_in_pool, shapes.kv_heads, 1, device=meta) for _ in range(l)]
+                     for _ in range(2))
     with ops.planning_for(device), PeakMemory() as peak:
         keep = evict_chunk(cfg, k_buffers, v_buffers, ring, workspace, first_layer=0, num_layers=l,
                            layer_ids=layer_ids, slots=slots, ring_index=ring_index, request=ids,
-                           rounds=ids, sinks=sinks)
+                           rounds=ids, sinks=sinks, side=side, now=ids)
         del keep
     return buffer_bytes, peak.peak
 

@@ -1,0 +1,137 @@
+"""trimkv served by a real SGLang server on CPU (tiny fp32 Qwen3, radix cache on, strict memory
+checks on), against the transformers reference with the same gates.
+
+One server, started with --kv-evict-policy trimkv and deterministic gates whose β spread widely
+(so retention, not age alone, decides), at --page-size 16: the server's budget 48 (a page
+multiple) moves the newest window by whole pages, a request's budget 40 copies it into the
+candidates' pages (patches/runtime.py), so both places where K/V move, and the side buffers
+with them, are checked. The prompt's partial last page is private, as in tests/test_paged.py.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from servers import Server
+from vase_sglang import EvictionConfig
+from vase_sglang import retention as R
+from vase_sglang.hf_reference import ReferenceDecoder
+
+PAGE, BUDGET, WINDOW = 16, 48, 16
+COPY = {"budget": 40}  # keep 24: the newest window is copied, not moved by pages
+HYBRID = {"value_slots": 6}  # VaSE + learned retention
+TOL = 1e-4  # fp32 on both sides, as tests/test_server_eviction.py
+N_FAITHFUL = 200
+torch.set_num_threads(1)
+
+
+def _gates(config, seed=7):
+    # Widely spread β (gate weights 0.5, bias 2), as the reference's replay test.
+    return R.RetentionGates.for_model(config, gate_hidden=8, bias_init=2.0, init_std=0.5,
+                                      seed=seed)
+
+
+@pytest.fixture(scope="module")
+def gates_file(tiny_model_fp32, tmp_path_factory):
+    config = AutoConfig.from_pretrained(tiny_model_fp32)
+    path = tmp_path_factory.mktemp("gates") / "gates.safetensors"
+    return R.save_gates(path, _gates(config), config)
+
+
+@pytest.fixture(scope="module")
+def trimkv_server(tiny_model_fp32, gates_file):
+    args = ["--dtype", "float32", "--page-size", str(PAGE), "--kv-evict-policy", "trimkv",
+            "--kv-evict-budget", str(BUDGET), "--kv-evict-window", str(WINDOW),
+            "--kv-evict-retention-gates", str(gates_file)]
+    with Server(tiny_model_fp32, args) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_fp32):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32).eval()
+
+
+def _served(server, prompt_ids, n, kv_evict):
+    sampling = {"ignore_eos": True, "custom_params": {"kv_evict": kv_evict}}
+    out = server.generate(input_ids=prompt_ids, max_new_tokens=n, return_logprob=True,
+                          sampling_params=sampling)
+    return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
+
+
+REQUESTS = {
+    "pages": {},
+    "copy": COPY,
+    "hybrid-pages": HYBRID,
+    "hybrid-copy": {**HYBRID, **COPY},
+}
+
+
+@pytest.fixture(scope="module")
+def served(trimkv_server, tiny_model_fp32):
+    """Every request in flight at once (decode batches mix them)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_fp32)
+    prompt = tokenizer("KV cache eviction policy radix tree pages")["input_ids"]
+    assert len(prompt) % PAGE, "the prompt's partial last page must be private"
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+        futures = {name: pool.submit(_served, trimkv_server, prompt, N_FAITHFUL, kv)
+                   for name, kv in REQUESTS.items()}
+        out = {name: f.result() for name, f in futures.items()}
+    trimkv_server.wait_idle_checked()
+    return prompt, out
+
+
+def _reference(model, prompt, forced, gates, **settings):
+    cfg = EvictionConfig(policy="trimkv", budget=BUDGET, window=WINDOW).replace(**settings)
+    return ReferenceDecoder(model, cfg, page_size=PAGE, gates=gates).run(prompt, forced_ids=forced)
+
+
+def _max_diff(a, b):
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    first = next((i for i, d in enumerate(diffs) if d > TOL), None)
+    print(f"max logprob diff {max(diffs):.3g}, first above {TOL} at token {first}")
+    return max(diffs)
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_trimkv_faithful_to_transformers_reference(served, hf_model, gates_file, name):
+    """Served logprobs against the transformers loop with the same gates and eviction,
+    teacher-forced on the served tokens. Negative control: the reference with other gates
+    (another seed) keeps other tokens and diverges."""
+    prompt, out = served
+    tokens, logprobs, meta = out[name]
+    assert len(tokens) == N_FAITHFUL
+    settings = REQUESTS[name]
+    ref = _reference(hf_model, prompt, tokens, gates_file, **settings)
+    assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"] > 0
+    assert _max_diff(logprobs, ref["logprobs"]) < TOL
+    other = _reference(hf_model, prompt, tokens, _gates(hf_model.config, seed=8), **settings)
+    assert _max_diff(logprobs, other["logprobs"]) > 1e-2
+
+
+def test_retention_not_age_decides(served, hf_model):
+    """The gates matter on this server: the served trimkv differs from keeping the newest
+    tokens (streaming in the reference), so the faithfulness above is not a streaming match."""
+    prompt, out = served
+    tokens, logprobs, _ = out["pages"]
+    cfg = EvictionConfig(policy="streaming", budget=BUDGET, window=WINDOW)
+    stream = ReferenceDecoder(hf_model, cfg, page_size=PAGE).run(prompt, forced_ids=tokens)
+    assert _max_diff(logprobs, stream["logprobs"]) > 1e-2
+
+
+def test_side_buffers_fit_their_reservation(trimkv_server):
+    """The side buffers allocated next to the pool (one row per slot) fit the bytes the memory
+    plan reserved before sizing the pool (--max-total-tokens 4096, pages of 16: 4112 slots x 2
+    layers x 2 KV heads x 8 bytes)."""
+    import re
+
+    log = trimkv_server.output()
+    reserved = re.search(r"VaSE retention side buffers: reserving [\d.]+ MiB \((\d+) bytes", log)
+    allocated = re.search(r"side buffers [\d.]+ MiB = (\d+) bytes .*\[(\d+) slots, (\d+) KV heads\] "
+                          r"x (\d+) layers", log)
+    assert reserved and allocated, log[-3000:]
+    nbytes, slots, heads, layers = map(int, allocated.groups())
+    assert nbytes == slots * heads * layers * 8 and slots >= 4096
+    assert nbytes <= int(reserved.group(1))
