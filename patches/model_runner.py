@@ -275,7 +275,7 @@ def after_forward_batch_init(ret, cls, batch, *args, **kwargs):
     rt.prepare_capture(ret)
     if not ret.forward_mode.is_decode():
         return ret
-    offsets = [getattr(req, runtime.OFFSET, 0) for req in batch.reqs]
+    offsets = [runtime.pos_offset(req) for req in batch.reqs]
     if any(offsets):
         staged = capture.stage_host_ints(offsets, ret.positions.dtype, ret.positions.device)
         ret.positions = capture.offset_positions(ret.positions, staged)

@@ -31,7 +31,7 @@ def after_build_info(result, self, reqs):
     if runtime.RUNTIME is None:
         return result
     result = dict(result or {})
-    result[KEY] = [[getattr(req, runtime.EVICTED, 0)] for req in reqs]
+    result[KEY] = [[runtime.evicted_tokens(req)] for req in reqs]
     return result
 
 

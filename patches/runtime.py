@@ -52,13 +52,42 @@ from . import metrics, request_control
 
 logger = logging.getLogger("vase_sglang.eviction")
 
-# Attributes this plugin keeps on sglang's Req (Req has no __slots__; Req.kv does).
-OFFSET = "_vase_pos_offset"  # tokens removed from the KV so far: true position - KV length
-EVICTED = "_vase_evicted"  # tokens evicted per (layer, KV head), reported in meta_info
-ROUNDS = "_vase_rounds"
-SAVED_SKIP = "_vase_saved_skip_insert"
-CONFIG = "_vase_config"  # effective EvictionConfig (None = off), see request_config
 _UNSET = object()
+
+
+@dataclass
+class RequestEviction:
+    """One request's eviction state: the only attribute this plugin keeps on sglang's Req
+    (`Req._vase`; Req has no __slots__, Req.kv does). Created on first use (`state`)."""
+
+    config: object = _UNSET  # effective EvictionConfig, None = off (request_config); cached
+    pos_offset: int = 0  # tokens removed from the KV so far: true position - KV length
+    evicted: int = 0  # tokens evicted per (layer, KV head) over the request's life (meta_info)
+    rounds: int = 0  # evictions since the request was (re)admitted
+    # Req.skip_radix_cache_insert before the first eviction set it (restored on retraction)
+    saved_skip_insert: bool | None = None
+
+
+STATE = "_vase"
+
+
+def state(req) -> RequestEviction:
+    """The request's eviction state, created on first use."""
+    st = getattr(req, STATE, None)
+    if st is None:
+        st = RequestEviction()
+        setattr(req, STATE, st)
+    return st
+
+
+def pos_offset(req) -> int:
+    st = getattr(req, STATE, None)
+    return 0 if st is None else st.pos_offset
+
+
+def evicted_tokens(req) -> int:
+    st = getattr(req, STATE, None)
+    return 0 if st is None else st.evicted
 
 
 @dataclass
@@ -217,9 +246,9 @@ class EvictionRuntime:
             [r.kv.req_pool_idx for r in reqs],
             [r.kv.cache_protected_len for r in reqs],
             [_request_key(r) for r in reqs],
-            [getattr(r, ROUNDS, 0) for r in reqs],
+            [state(r).rounds for r in reqs],
             # True length L: the newest query written is at position L - 1.
-            [r.kv.kv_allocated_len + getattr(r, OFFSET, 0) - cfg.window for r in reqs],
+            [r.kv.kv_allocated_len + pos_offset(r) - cfg.window for r in reqs],
         )
         # Stream over chunks of requests and, inside, chunks of layers, so the gathers and
         # score temporaries stay inside the workspace (vase_sglang/workspace.py).
@@ -241,13 +270,14 @@ class EvictionRuntime:
             kv = req.kv
             kv.kv_allocated_len -= dropped
             kv.kv_committed_len -= dropped
-            setattr(req, OFFSET, getattr(req, OFFSET, 0) + dropped)
-            setattr(req, EVICTED, getattr(req, EVICTED, 0) + dropped)
-            setattr(req, ROUNDS, getattr(req, ROUNDS, 0) + 1)
-            if not hasattr(req, SAVED_SKIP):
+            st = state(req)
+            st.pos_offset += dropped
+            st.evicted += dropped
+            st.rounds += 1
+            if st.saved_skip_insert is None:
                 # Compacted slots no longer hold the true tokens at their positions: inserting
                 # them into the radix tree at finish would poison it (and double-free).
-                setattr(req, SAVED_SKIP, req.skip_radix_cache_insert)
+                st.saved_skip_insert = req.skip_radix_cache_insert
                 req.skip_radix_cache_insert = True
             new_lens[i] = kv.kv_allocated_len
         self.stats.evictions += len(reqs)
@@ -499,14 +529,14 @@ def request_config(req) -> EvictionConfig | None:
     rt = RUNTIME
     if rt is None:
         return None
-    cached = getattr(req, CONFIG, _UNSET)
+    st = state(req)
+    cached = st.config
     if cached is _UNSET and getattr(req, "beam_group", None) is not None:
         # Beam search (BeamCoordinator.validate_and_init) replaces the leader's sampling
         # params with neutral ones, custom_params lost; its member rows alias the leader's
         # slots, so the group is never evicted. The tokenizer manager already refused beam
         # requests that would evict (request_control.refuse_beam_search).
-        cached = None
-        setattr(req, CONFIG, cached)
+        cached = st.config = None
     if cached is _UNSET:
         try:
             cached = request_control.effective_config(req.sampling_params.custom_params, rt.cfg,
@@ -516,23 +546,25 @@ def request_config(req) -> EvictionConfig | None:
             # SamplingParams.verify gets here. Serve it with the server's settings.
             logger.error("request %s: %s; using the server's eviction settings", req.rid, err)
             cached = rt.cfg
-        setattr(req, CONFIG, cached)
+        st.config = cached
     return cached
 
 
 def compacted(req) -> bool:
     """Whether eviction has rewritten this request's cache since it was (re)admitted."""
-    return getattr(req, ROUNDS, 0) > 0
+    st = getattr(req, STATE, None)
+    return st is not None and st.rounds > 0
 
 
 def reset_request(req) -> None:
     """A retracted request re-prefills its true length: it starts over, uncompacted."""
-    for name in (OFFSET, ROUNDS):
-        if hasattr(req, name):
-            setattr(req, name, 0)
-    if hasattr(req, SAVED_SKIP):
-        req.skip_radix_cache_insert = getattr(req, SAVED_SKIP)
-        delattr(req, SAVED_SKIP)
+    st = getattr(req, STATE, None)
+    if st is None:
+        return
+    st.pos_offset = st.rounds = 0  # `evicted` counts over the request's whole life
+    if st.saved_skip_insert is not None:
+        req.skip_radix_cache_insert = st.saved_skip_insert
+        st.saved_skip_insert = None
 
 
 RUNTIME: EvictionRuntime | None = None

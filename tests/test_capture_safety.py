@@ -331,8 +331,8 @@ def test_forward_batch_hook_offsets_decode_positions_and_builds_extend_rows(monk
     rt = make_runtime()
     monkeypatch.setattr(runtime, "RUNTIME", rt)
     reqs = [SimpleNamespace(), SimpleNamespace(), SimpleNamespace()]
-    setattr(reqs[0], runtime.OFFSET, 40)
-    setattr(reqs[2], runtime.OFFSET, 7)
+    runtime.state(reqs[0]).pos_offset = 40
+    runtime.state(reqs[2]).pos_offset = 7
     positions = torch.tensor([10, 11, 12, 0], dtype=torch.int64)  # one padding entry
     ret = SimpleNamespace(forward_mode=Mode.DECODE, positions=positions)
     out = model_runner.after_forward_batch_init(ret, None, SimpleNamespace(reqs=reqs), None)

@@ -10,7 +10,7 @@ from vase_sglang_patches.scheduler import uncompacted_last
 def _req(rounds, priority=None):
     req = SimpleNamespace(priority=priority)
     if rounds:
-        setattr(req, runtime.ROUNDS, rounds)
+        runtime.state(req).rounds = rounds
     return req
 
 
