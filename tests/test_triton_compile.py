@@ -84,3 +84,13 @@ def test_problems_and_spill_warnings_of_a_report():
     assert [p.split()[0] for p in aot.problems_of(over)] == ["shared", "256", "256"]
     spills = aot.KernelReport(**{**base, "spill_instructions": 3, "stack_bytes": 16})
     assert aot.problems_of(spills) == [] and "spills" in aot.warnings_of(spills)[0]
+
+
+def test_compaction_compiles_for_trimkv_side_buffers(tmp_path):
+    """trimkv's side buffers (log β and position, float32 [slots, H, 1]) go through the same
+    compaction kernel with a head dim of 1 (BLOCK_D = 1)."""
+    proc, report = _compile(tmp_path, "--dtype", "fp32", "--head-dim", "1",
+                            "--wrapper", "compact_kv_triton_", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(r["arch"] for r in report["kernels"]) == sorted(aot.ARCHS)
+    assert all(r["problems"] == [] and r["head_dim"] == 1 for r in report["kernels"])
