@@ -19,7 +19,7 @@ from unittest import mock
 
 import pytest
 
-from servers import CPU_FLAGS, Server, run_launch_server_expect_failure
+from servers import CPU_FLAGS, SNAPKV, run_launch_server_expect_failure
 from vase_sglang import EvictionConfig
 from vase_sglang_patches import server_args as server_args_hooks
 from vase_sglang_patches import settings, supported
@@ -161,10 +161,10 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    args = ["--kv-evict-policy", "snapkv", "--kv-evict-budget", "32", "--kv-evict-window", "8"]
-    with Server(tiny_model, args, timeout=600) as s:
-        yield s
+def server(snapkv_server):
+    """The shared snapkv server (conftest.py): the messages above name its budget 32, window 8."""
+    assert (SNAPKV["policy"], SNAPKV["budget"], SNAPKV["window"]) == ("snapkv", 32, 8)
+    return snapkv_server
 
 
 def _generate(server, kv_evict):

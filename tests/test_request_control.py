@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from servers import Server
+from servers import SNAPKV, Server
 
 PROMPT = "KV cache eviction policy radix tree prefix"
 N = 120  # several evictions at budget 32 / window 8 and at budget 24 / window 4
-SERVER = {"policy": "snapkv", "budget": 32, "window": 8, "seed": 5}
+SERVER = SNAPKV  # the shared evicting server (conftest.py): snapkv, budget 32, window 8
 # Differs from the server in every field; window < the server's exercises the query ring read.
 OWN = {"policy": "vase-attnv", "budget": 24, "window": 4, "sinks": 2, "seed": 9}
 
@@ -26,17 +26,10 @@ def _flags(cfg):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_fp32):
-    """Started two at a time: the evicting server, the server with OWN's flags, stock."""
-    specs = {"evict": _flags(SERVER), "own": _flags(OWN), "stock": ["--dtype", "float32"]}
-    with ThreadPoolExecutor(2) as pool:
-        futures = {k: pool.submit(Server, tiny_model_fp32, v, timeout=600) for k, v in specs.items()}
-        started = {k: f.result() for k, f in futures.items()}
-    try:
-        yield started
-    finally:
-        for s in started.values():
-            s.stop()
+def servers(tiny_model_fp32, snapkv_server, stock_server):
+    """The evicting server and stock (both shared, conftest.py) and one started with OWN's flags."""
+    with Server(tiny_model_fp32, _flags(OWN), timeout=600) as own:
+        yield {"evict": snapkv_server, "own": own, "stock": stock_server}
 
 
 def _gen(server, kv_evict=None, prompt=PROMPT, n=N):

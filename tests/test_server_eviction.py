@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from servers import Server
+from servers import SNAPKV, Server
 from vase_sglang import POLICY_NAMES, EvictionConfig
 from vase_sglang.hf_reference import ReferenceDecoder
 
@@ -34,9 +34,11 @@ def tokenizer(tiny_model_fp32):
 
 
 @pytest.fixture(scope="module")
-def snapkv_server(tiny_model_fp32):
-    with Server(tiny_model_fp32, _args("snapkv", "--decode-log-interval", "1")) as server:
-        yield server
+def snapkv_server(snapkv_server):
+    """The shared snapkv server (conftest.py), started with _args("snapkv") and a decode log
+    line every step."""
+    assert SNAPKV == {"policy": "snapkv", "budget": BUDGET, "window": WINDOW, "seed": 5}
+    return snapkv_server
 
 
 def _served(server, prompt_ids, n, seed=77, kv_evict=None):
