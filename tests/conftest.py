@@ -32,6 +32,35 @@ def tiny_model_fp32(tmp_path_factory) -> str:
     )
 
 
+# Shared servers started so far, by fixture name; each is stopped right after the last test
+# that uses it (pytest_runtest_teardown below), not at the end of the session, so that idle
+# servers do not pile up in memory.
+_shared: dict[str, Server] = {}
+_last_user: dict[str, str] = {}
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` / `-k` deselection
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        for name in ("snapkv_server", "stock_server"):
+            if name in item.fixturenames:  # requested directly or through another fixture
+                _last_user[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    for name, nodeid in _last_user.items():
+        if nodeid == item.nodeid and name in _shared:
+            _shared.pop(name).stop()
+
+
+def _shared_server(name, model, flags):
+    with Server(model, flags, timeout=600) as server:
+        _shared[name] = server
+        yield server
+        _shared.pop(name, None)
+
+
 @pytest.fixture(scope="session")
 def snapkv_server(tiny_model_fp32):
     """tiny fp32 Qwen3, snapkv (SNAPKV), a decode log line every step, Prometheus metrics on.
@@ -40,12 +69,10 @@ def snapkv_server(tiny_model_fp32):
     flags = ["--dtype", "float32", "--decode-log-interval", "1", "--enable-metrics"]
     for key, value in SNAPKV.items():
         flags += ["--kv-evict-" + key, str(value)]
-    with Server(tiny_model_fp32, flags, timeout=600) as server:
-        yield server
+    yield from _shared_server("snapkv_server", tiny_model_fp32, flags)
 
 
 @pytest.fixture(scope="session")
 def stock_server(tiny_model_fp32):
     """tiny fp32 Qwen3 without --kv-evict-policy: stock SGLang with the plugin loaded."""
-    with Server(tiny_model_fp32, ["--dtype", "float32"], timeout=600) as server:
-        yield server
+    yield from _shared_server("stock_server", tiny_model_fp32, ["--dtype", "float32"])
