@@ -110,9 +110,11 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_idle_checked(self, seconds: float = 3.0) -> None:
+    def wait_idle_checked(self, seconds: float = 1.0) -> None:
         """Let the scheduler go idle (where SGLang runs its strict leak check) and make sure it
-        survived: a leak raises inside the scheduler and takes the server down."""
+        survived: a leak raises inside the scheduler and takes the server down. The check runs
+        in the first loop iteration without work and again at every wake-up of the idle
+        sleeper (a 1 s poll, --sleep-on-idle), so one second covers it."""
         time.sleep(seconds)
         assert self.alive(), self.output()[-4000:]
         self.generate("ping", max_new_tokens=2)
