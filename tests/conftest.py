@@ -11,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from servers import SNAPKV, Server  # noqa: E402
+from servers import RADIX_OFF, RADIX_OFF_POOL, SNAPKV, Server  # noqa: E402
 from vase_sglang.tiny_model import build_tiny_qwen3  # noqa: E402
 
 
@@ -35,6 +35,7 @@ def tiny_model_fp32(tmp_path_factory) -> str:
 # Shared servers started so far, by fixture name; each is stopped right after the last test
 # that uses it (pytest_runtest_teardown below), not at the end of the session, so that idle
 # servers do not pile up in memory.
+SHARED_SERVERS = ("snapkv_server", "stock_server", "radix_off_server")
 _shared: dict[str, Server] = {}
 _last_user: dict[str, str] = {}
 
@@ -42,7 +43,7 @@ _last_user: dict[str, str] = {}
 @pytest.hookimpl(trylast=True)  # after `-m` / `-k` deselection
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
-        for name in ("snapkv_server", "stock_server"):
+        for name in SHARED_SERVERS:
             if name in item.fixturenames:  # requested directly or through another fixture
                 _last_user[name] = item.nodeid
 
@@ -54,8 +55,8 @@ def pytest_runtest_teardown(item, nextitem):
             _shared.pop(name).stop()
 
 
-def _shared_server(name, model, flags):
-    with Server(model, flags, timeout=600) as server:
+def _shared_server(name, model, flags, **kwargs):
+    with Server(model, flags, timeout=600, **kwargs) as server:
         _shared[name] = server
         yield server
         _shared.pop(name, None)
@@ -76,3 +77,14 @@ def snapkv_server(tiny_model_fp32):
 def stock_server(tiny_model_fp32):
     """tiny fp32 Qwen3 without --kv-evict-policy: stock SGLang with the plugin loaded."""
     yield from _shared_server("stock_server", tiny_model_fp32, ["--dtype", "float32"])
+
+
+@pytest.fixture(scope="session")
+def radix_off_server(tiny_model_fp32):
+    """tiny fp32 Qwen3, --disable-radix-cache, vase-attnv (RADIX_OFF) on a RADIX_OFF_POOL-token
+    pool, a decode log line every step."""
+    flags = ["--dtype", "float32", "--decode-log-interval", "1", "--disable-radix-cache"]
+    for key, value in RADIX_OFF.items():
+        flags += ["--kv-evict-" + key, str(value)]
+    yield from _shared_server("radix_off_server", tiny_model_fp32, flags,
+                              max_total_tokens=RADIX_OFF_POOL)

@@ -28,6 +28,8 @@ STRICT_ENV = {
 # per-request settings (custom_params.kv_evict) give the other policies and budgets: snapkv
 # records the window queries, so every policy can be asked for.
 SNAPKV = {"policy": "snapkv", "budget": 32, "window": 8, "seed": 5}
+# ...and of the shared server with the radix cache off (test_admission's settings).
+RADIX_OFF_POOL, RADIX_OFF = 1024, {"policy": "vase-attnv", "budget": 64, "window": 16}
 
 
 def free_port() -> int:

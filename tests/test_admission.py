@@ -7,7 +7,8 @@ off (custom_params.kv_evict = false) keep SGLang's stock charge, on the same ser
 import re
 
 import pytest
-from servers import Server
+
+from servers import RADIX_OFF, RADIX_OFF_POOL, Server
 
 POOL, BUDGET, WINDOW, N, MAX_NEW = 1024, 64, 16, 16, 240
 # Stock admits POOL // (prompt + MAX_NEW) = 4 requests at once: 6 queued show the cap.
@@ -70,10 +71,11 @@ def test_eviction_admits_more_requests_on_the_same_pool(server):
     assert vase_peak >= 2.5 * stock_peak, (stock_peak, vase_peak)
 
 
-def test_admission_without_radix_cache(tiny_model_fp32):
+def test_admission_without_radix_cache(radix_off_server):
     # Radix off + ignore_eos is SGLang's separate add_one_req_ignore_eos admission path, and
-    # the prompt is private (evicted too).
-    flags = ["--dtype", "float32", "--decode-log-interval", "1", *VASE, "--disable-radix-cache"]
-    with Server(tiny_model_fp32, flags, max_total_tokens=POOL) as server:
-        out, log = _run(server)
+    # the prompt is private (evicted too). The shared radix-off server (conftest.py) has this
+    # module's settings.
+    assert (RADIX_OFF_POOL, RADIX_OFF) == (POOL, {"policy": "vase-attnv", "budget": BUDGET,
+                                                  "window": WINDOW})
+    out, log = _run(radix_off_server)
     _check_vase(out, log, radix=False)
