@@ -11,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from servers import RADIX_OFF, RADIX_OFF_POOL, SNAPKV, Server  # noqa: E402
+from servers import RADIX_OFF, RADIX_OFF_POOL, SNAPKV, VASE_ATTNV, Server  # noqa: E402
 from vase_sglang.tiny_model import build_tiny_qwen3  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def tiny_model_fp32(tmp_path_factory) -> str:
 # Shared servers started so far, by fixture name; each is stopped right after the last test
 # that uses it (pytest_runtest_teardown below), not at the end of the session, so that idle
 # servers do not pile up in memory.
-SHARED_SERVERS = ("snapkv_server", "stock_server", "radix_off_server")
+SHARED_SERVERS = ("snapkv_server", "stock_server", "radix_off_server", "vase_server")
 _shared: dict[str, Server] = {}
 _last_user: dict[str, str] = {}
 
@@ -88,3 +88,13 @@ def radix_off_server(tiny_model_fp32):
         flags += ["--kv-evict-" + key, str(value)]
     yield from _shared_server("radix_off_server", tiny_model_fp32, flags,
                               max_total_tokens=RADIX_OFF_POOL)
+
+
+@pytest.fixture(scope="session")
+def vase_server(tiny_model_fp32):
+    """tiny fp32 Qwen3, vase-attnv (VASE_ATTNV), SGLang's sampling generator seeded
+    (--random-seed 0) for the frontend programs, which cannot send per-request seeds."""
+    flags = ["--dtype", "float32", "--random-seed", "0"]
+    for key, value in VASE_ATTNV.items():
+        flags += ["--kv-evict-" + key, str(value)]
+    yield from _shared_server("vase_server", tiny_model_fp32, flags)

@@ -30,6 +30,8 @@ STRICT_ENV = {
 SNAPKV = {"policy": "snapkv", "budget": 32, "window": 8, "seed": 5}
 # ...and of the shared server with the radix cache off (test_admission's settings).
 RADIX_OFF_POOL, RADIX_OFF = 1024, {"policy": "vase-attnv", "budget": 64, "window": 16}
+# ...and of the shared vase-attnv server (differs from SNAPKV in every field).
+VASE_ATTNV = {"policy": "vase-attnv", "budget": 24, "window": 4, "sinks": 2, "seed": 9}
 
 
 def free_port() -> int:

@@ -9,27 +9,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from servers import SNAPKV, Server
+from servers import SNAPKV, VASE_ATTNV
 
 PROMPT = "KV cache eviction policy radix tree prefix"
 N = 120  # several evictions at budget 32 / window 8 and at budget 24 / window 4
 SERVER = SNAPKV  # the shared evicting server (conftest.py): snapkv, budget 32, window 8
 # Differs from the server in every field; window < the server's exercises the query ring read.
-OWN = {"policy": "vase-attnv", "budget": 24, "window": 4, "sinks": 2, "seed": 9}
-
-
-def _flags(cfg):
-    args = ["--dtype", "float32"]
-    for key, value in cfg.items():
-        args += ["--kv-evict-" + key.replace("_", "-"), str(value)]
-    return args
+# The shared vase-attnv server (conftest.py) was started with these flags.
+OWN = VASE_ATTNV
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_fp32, snapkv_server, stock_server):
-    """The evicting server and stock (both shared, conftest.py) and one started with OWN's flags."""
-    with Server(tiny_model_fp32, _flags(OWN), timeout=600) as own:
-        yield {"evict": snapkv_server, "own": own, "stock": stock_server}
+def servers(snapkv_server, vase_server, stock_server):
+    """The evicting server, the one started with OWN's flags and stock (shared, conftest.py)."""
+    return {"evict": snapkv_server, "own": vase_server, "stock": stock_server}
 
 
 def _gen(server, kv_evict=None, prompt=PROMPT, n=N):
