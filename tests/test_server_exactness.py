@@ -5,20 +5,16 @@
   token-identical to stock, which proves the per-head gather and the row bookkeeping.
 """
 
-import os
+import re
+import urllib.request
 
 import pytest
-
-from servers import Server
 
 PROMPTS = [
     "Hello world, the capital of France is",
     "KV cache eviction policy radix tree prefix sharing memory pool token " * 3,
     "0 1 2 3 4 5 6 7 8 9 10",
 ]
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
 N = 160  # past every eviction trigger below, short of the budget-256 request's
 
 
@@ -49,16 +45,24 @@ def test_budget_never_reached_is_identical_to_stock(snapkv_server, stock_outputs
     assert evicted == [0, 0, 0]
 
 
-def test_per_head_permutation_every_step_is_identical_to_stock(tiny_model_fp32, stock_outputs):
-    # budget 16 + window 8: from the 24th private token on, every decode step shuffles the
-    # cache of every (layer, head) again.
-    args = ["--dtype", "float32", "--kv-evict-policy", "test-permute", "--kv-evict-budget", "16",
-            "--kv-evict-window", "8", "--kv-evict-sinks", "0"]
-    env = {"VASE_KV_EVICT_PLUGINS": "permute_policy", "PYTHONPATH": TESTS_DIR}
-    with Server(tiny_model_fp32, args, env=env) as server:
-        outputs, evicted = _greedy(server)
-        server.wait_idle_checked()
-        log = server.output()
-    assert "VaSE eviction on" in log
+def _eviction_rounds(server) -> float:
+    """vase:evictions_total (request-rounds, dropped tokens or not) from /metrics."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(m) for m in re.findall(r"^vase:evictions_total(?:\{[^}]*\})? (\S+)$", text,
+                                              re.MULTILINE))
+
+
+def test_per_head_permutation_every_step_is_identical_to_stock(snapkv_server, stock_outputs):
+    """Requests asking for `test-permute` (loaded into the shared snapkv server, conftest.py)
+    at budget 16 + window 8, sinks 0: from the 24th private token on, every decode step
+    shuffles the cache of every (layer, head) again."""
+    before = _eviction_rounds(snapkv_server)
+    outputs, evicted = _greedy(snapkv_server, {"policy": "test-permute", "budget": 16,
+                                               "window": 8, "sinks": 0})
+    snapkv_server.wait_idle_checked()
     assert outputs == stock_outputs
     assert evicted == [0, 0, 0]  # every token kept: shuffled, never dropped
+    # The policy ran at every step from the one after 16 + 8 private (generated) tokens.
+    rounds = _eviction_rounds(snapkv_server) - before
+    assert rounds == len(PROMPTS) * (N - (16 + 8) - 1), rounds
