@@ -1,14 +1,18 @@
 """Compression-aware admission on a real server. With eviction on, a request is charged its
 prompt + min(max_new_tokens, budget + window / 2 + 2) (the middle of its cache's cycle), so the
 same pool runs several times more requests at once; when the next decode step does not fit,
-requests over budget are evicted early instead of retracted."""
+requests over budget are evicted early instead of retracted. Requests with eviction turned
+off (custom_params.kv_evict = false) keep SGLang's stock charge, on the same server and pool."""
 
 import re
 
 import pytest
-from servers import Server
+
+from servers import RADIX_OFF, RADIX_OFF_POOL, Server
 
 POOL, BUDGET, WINDOW, N, MAX_NEW = 1024, 64, 16, 16, 240
+# Stock admits POOL // (prompt + MAX_NEW) = 4 requests at once: 6 queued show the cap.
+N_STOCK = 6
 VASE = ["--kv-evict-policy", "vase-attnv", "--kv-evict-budget", str(BUDGET),
         "--kv-evict-window", str(WINDOW)]
 
@@ -17,14 +21,24 @@ def _peak_running(log: str) -> int:
     return max(int(m) for m in re.findall(r"Decode batch.*?#running-req: (\d+)", log))
 
 
-def _run(model, args):
-    common = ["--dtype", "float32", "--decode-log-interval", "1", *args]
-    with Server(model, common, max_total_tokens=POOL) as server:
-        out = server.post("/generate", {
-            "text": [f"Request number {i}: the quick brown fox" for i in range(N)],
-            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}})
-        server.wait_idle_checked()  # SGLang's idle leak check (strict memory checks run too)
-        return out, server.output()
+@pytest.fixture(scope="module")
+def server(tiny_model_fp32):
+    flags = ["--dtype", "float32", "--decode-log-interval", "1", *VASE]
+    with Server(tiny_model_fp32, flags, max_total_tokens=POOL) as server:
+        yield server
+
+
+def _run(server, n=N, kv_evict=None):
+    """n requests at once; their outputs and the log lines they produced."""
+    sampling = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    if kv_evict is not None:
+        sampling["custom_params"] = {"kv_evict": kv_evict}
+    before = len(server.output())
+    out = server.post("/generate", {
+        "text": [f"Request number {i}: the quick brown fox" for i in range(n)],
+        "sampling_params": sampling})
+    server.wait_idle_checked()  # SGLang's idle leak check (strict memory checks run too)
+    return out, server.output()[before:]
 
 
 def _check_vase(out, log, radix=True):
@@ -45,19 +59,23 @@ def _check_vase(out, log, radix=True):
     return peak
 
 
-def test_eviction_admits_more_requests_on_the_same_pool(tiny_model_fp32):
-    stock_out, stock_log = _run(tiny_model_fp32, [])
-    vase_out, vase_log = _run(tiny_model_fp32, VASE)
+def test_eviction_admits_more_requests_on_the_same_pool(server):
+    vase_out, vase_log = _run(server)
+    stock_out, stock_log = _run(server, N_STOCK, kv_evict=False)
     assert all(len(o["output_ids"]) == MAX_NEW for o in stock_out)
+    assert all(o["meta_info"]["kv_evicted_tokens"] == 0 for o in stock_out)
     stock_peak = _peak_running(stock_log)
     # Stock reserves ~prompt + 240 per request: at most 4 fit in 1024 slots.
-    assert stock_peak <= POOL // MAX_NEW
+    assert stock_peak <= POOL // MAX_NEW < N_STOCK
     vase_peak = _check_vase(vase_out, vase_log)
     assert vase_peak >= 2.5 * stock_peak, (stock_peak, vase_peak)
 
 
-def test_admission_without_radix_cache(tiny_model_fp32):
+def test_admission_without_radix_cache(radix_off_server):
     # Radix off + ignore_eos is SGLang's separate add_one_req_ignore_eos admission path, and
-    # the prompt is private (evicted too).
-    out, log = _run(tiny_model_fp32, VASE + ["--disable-radix-cache"])
+    # the prompt is private (evicted too). The shared radix-off server (conftest.py) has this
+    # module's settings.
+    assert (RADIX_OFF_POOL, RADIX_OFF) == (POOL, {"policy": "vase-attnv", "budget": BUDGET,
+                                                  "window": WINDOW})
+    out, log = _run(radix_off_server)
     _check_vase(out, log, radix=False)

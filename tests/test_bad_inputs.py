@@ -2,7 +2,9 @@
 user sees.
 
 - Bad server configurations stop `python -m sglang.launch_server` at startup with a message
-  naming the flag (or environment variable) at fault.
+  naming the flag (or environment variable) at fault. Every case is checked in-process on the
+  steps launch_server runs before loading the model, with the plugin's own ServerArgs hooks;
+  a few of them also as real launches, so the startup path is covered end to end.
 - The supported-settings allowlist (patches/supported.py, docs/supported.md) is checked
   in-process on ServerArgs parsed and resolved as `launch_server` does, for many flags.
 - Bad per-request values (`custom_params.kv_evict`) are answered with HTTP 400 naming
@@ -10,14 +12,17 @@ user sees.
 """
 
 import json
+import os
+import pkgutil
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 
-from servers import CPU_FLAGS, Server, run_launch_server_expect_failure
+from servers import CPU_FLAGS, SNAPKV, run_launch_server_expect_failure
 from vase_sglang import EvictionConfig
 from vase_sglang_patches import server_args as server_args_hooks
-from vase_sglang_patches import supported
+from vase_sglang_patches import settings, supported
 from vase_sglang_patches.request_control import effective_config
 
 POLICY = ["--kv-evict-policy", "vase-attnv"]
@@ -55,22 +60,85 @@ LAUNCH_CASES = [
 ]
 
 
+# Real launches, one per way a launch is refused: a bad --kv-evict-* flag, a bad variable, a
+# policy module that cannot be imported (in the spawned process), an SGLang flag off the allowlist.
+REAL_LAUNCHES = [i for i, case in enumerate(LAUNCH_CASES) if case[2].startswith((
+    "--kv-evict-budget: must be larger", "VASE_KV_EVICT_", "--enable-streaming-session"))]
+
+
 @pytest.fixture(scope="module")
 def failures(tiny_model):
     # Each refused launch costs SGLang's import time; run them two at a time.
+    cases = [LAUNCH_CASES[i] for i in REAL_LAUNCHES]
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(
-            lambda c: run_launch_server_expect_failure(tiny_model, c[0], c[1]), LAUNCH_CASES))
+        return dict(zip(REAL_LAUNCHES, pool.map(
+            lambda c: run_launch_server_expect_failure(tiny_model, c[0], c[1]), cases)))
 
 
-@pytest.mark.parametrize("index", range(len(LAUNCH_CASES)),
-                         ids=[" ".join(c[0]) or str(c[1]) for c in LAUNCH_CASES])
+@pytest.mark.parametrize("index", REAL_LAUNCHES,
+                         ids=[" ".join(LAUNCH_CASES[i][0]) or str(LAUNCH_CASES[i][1])
+                              for i in REAL_LAUNCHES])
 def test_bad_setting_stops_the_server_naming_the_flag(failures, index):
     code, output = failures[index]
     expected = LAUNCH_CASES[index][2]
     assert code != 0
     assert expected in output, output[-3000:]
     assert "fired up and ready" not in output
+
+
+@pytest.fixture
+def startup_error(tiny_model, monkeypatch, capsys):
+    """What `python -m sglang.launch_server` checks before it loads the model, in its order and
+    in this process: load_plugins() runs register(), which reads the environment
+    (settings.config_from_env); prepare_server_args parses the flags; run_server resolves the
+    settings. ServerArgs carries the plugin's own hooks (server_args.HOOKS, wrapped by
+    SGLang's HookRegistry wrapper) for the duration of the test. Returns the error message the
+    launch would print, or None if it would go on to load the model."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+    from sglang.srt.server_args import prepare_server_args
+
+    for target, kind, hook in server_args_hooks.HOOKS:
+        owner_name, name = target.rsplit(".", 1)
+        owner = pkgutil.resolve_name(owner_name)
+        raw = owner.__dict__[name]
+        method = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+        assert not hasattr(method, "__wrapped__"), f"{target} is already hooked in this process"
+        wrapped = _wrap_fn(method, hook, HookType[kind])
+        monkeypatch.setattr(owner, name, type(raw)(wrapped) if method is not raw else wrapped)
+
+    def check(flags, env) -> str | None:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("VASE_KV_EVICT_")}
+        # patch.dict restores the environment whole, whatever the hooks exported into it.
+        with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
+            try:
+                settings.config_from_env()  # what register() calls
+            except ValueError as err:
+                return str(err)
+            try:
+                args = prepare_server_args(["--model-path", tiny_model, *CPU_FLAGS, *flags])
+            except SystemExit:
+                return capsys.readouterr().err
+            try:
+                args.resolve_once()
+            except ValueError as err:
+                return str(err)
+        return None
+
+    return check
+
+
+@pytest.mark.parametrize("flags,env,expected", LAUNCH_CASES,
+                         ids=[" ".join(c[0]) or str(c[1]) for c in LAUNCH_CASES])
+def test_bad_setting_is_refused_at_startup_naming_the_flag(startup_error, flags, env, expected):
+    message = startup_error(flags, env)
+    assert message is not None and expected in message, message
+
+
+def test_good_settings_pass_the_startup_checks(startup_error):
+    """The in-process checks above can pass: a good configuration goes through all of them."""
+    assert startup_error(POLICY + ["--kv-evict-budget", "64", "--kv-evict-window", "8"], {}) is None
+    assert startup_error([], {"VASE_KV_EVICT_POLICY": "snapkv", "VASE_KV_EVICT_BUDGET": "128"}) is None
+    assert startup_error(["--page-size", "16"], {}) is None  # without eviction: stock SGLang
 
 
 # Server: snapkv, budget 32, window 8. (kv_evict value, message in the HTTP 400 body)
@@ -94,10 +162,10 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    args = ["--kv-evict-policy", "snapkv", "--kv-evict-budget", "32", "--kv-evict-window", "8"]
-    with Server(tiny_model, args, timeout=600) as s:
-        yield s
+def server(snapkv_server):
+    """The shared snapkv server (conftest.py): the messages above name its budget 32, window 8."""
+    assert (SNAPKV["policy"], SNAPKV["budget"], SNAPKV["window"]) == ("snapkv", 32, 8)
+    return snapkv_server
 
 
 def _generate(server, kv_evict):

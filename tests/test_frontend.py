@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from servers import Server
+from servers import VASE_ATTNV
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET, WINDOW = 32, 8
+BUDGET, WINDOW = 24, 4
 
 
 def _load_reasoning():
@@ -28,14 +28,13 @@ def _load_reasoning():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    # Seeded sampling. sglang.lang cannot send per-request seeds, and forked branches reach the
-    # scheduler in thread order, so this pins the server's generator, not every batch; the
-    # asserts below hold for any sample.
-    args = ["--kv-evict-policy", "vase-attnv", "--kv-evict-budget", str(BUDGET),
-            "--kv-evict-window", str(WINDOW), "--random-seed", "0"]
-    with Server(tiny_model, args=args, timeout=400) as s:  # slack for a busy machine
-        yield s
+def server(vase_server):
+    """The shared vase-attnv server (conftest.py). Seeded sampling (--random-seed 0):
+    sglang.lang cannot send per-request seeds, and forked branches reach the scheduler in
+    thread order, so this pins the server's generator, not every batch; the asserts below hold
+    for any sample."""
+    assert (VASE_ATTNV["budget"], VASE_ATTNV["window"]) == (BUDGET, WINDOW)
+    return vase_server
 
 
 def evicted_for(generated: int) -> int:

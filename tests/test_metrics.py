@@ -1,12 +1,13 @@
-"""Prometheus metrics of the eviction step on a real server started with --enable-metrics:
-scraped from /metrics after evicting requests, they match the per-response counts."""
+"""Prometheus metrics of the eviction step on a real server started with --enable-metrics (the
+shared snapkv server, conftest.py): scraped from /metrics after evicting requests, they match
+the per-response counts."""
 
 import re
 import urllib.request
 
 import pytest
 
-from servers import Server
+from servers import SNAPKV
 
 BUDGET, WINDOW = 32, 8
 N = 100  # private tokens reach budget + window at output 41, then every 8: 8 rounds of 8 tokens
@@ -27,11 +28,9 @@ def _scrape(server) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    args = ["--kv-evict-policy", "snapkv", "--kv-evict-budget", str(BUDGET),
-            "--kv-evict-window", str(WINDOW), "--enable-metrics"]
-    with Server(tiny_model, args, timeout=600) as s:
-        yield s
+def server(snapkv_server):
+    assert (SNAPKV["budget"], SNAPKV["window"]) == (BUDGET, WINDOW)
+    return snapkv_server
 
 
 def test_metrics_count_what_responses_report(server):

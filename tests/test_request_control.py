@@ -9,34 +9,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from servers import Server
+from servers import SNAPKV, VASE_ATTNV
 
 PROMPT = "KV cache eviction policy radix tree prefix"
 N = 120  # several evictions at budget 32 / window 8 and at budget 24 / window 4
-SERVER = {"policy": "snapkv", "budget": 32, "window": 8, "seed": 5}
+SERVER = SNAPKV  # the shared evicting server (conftest.py): snapkv, budget 32, window 8
 # Differs from the server in every field; window < the server's exercises the query ring read.
-OWN = {"policy": "vase-attnv", "budget": 24, "window": 4, "sinks": 2, "seed": 9}
-
-
-def _flags(cfg):
-    args = ["--dtype", "float32"]
-    for key, value in cfg.items():
-        args += ["--kv-evict-" + key.replace("_", "-"), str(value)]
-    return args
+# The shared vase-attnv server (conftest.py) was started with these flags.
+OWN = VASE_ATTNV
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_fp32):
-    """Started two at a time: the evicting server, the server with OWN's flags, stock."""
-    specs = {"evict": _flags(SERVER), "own": _flags(OWN), "stock": ["--dtype", "float32"]}
-    with ThreadPoolExecutor(2) as pool:
-        futures = {k: pool.submit(Server, tiny_model_fp32, v, timeout=600) for k, v in specs.items()}
-        started = {k: f.result() for k, f in futures.items()}
-    try:
-        yield started
-    finally:
-        for s in started.values():
-            s.stop()
+def servers(snapkv_server, vase_server, stock_server):
+    """The evicting server, the one started with OWN's flags and stock (shared, conftest.py)."""
+    return {"evict": snapkv_server, "own": vase_server, "stock": stock_server}
 
 
 def _gen(server, kv_evict=None, prompt=PROMPT, n=N):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from servers import Server
+from servers import SNAPKV, Server
 from vase_sglang import POLICY_NAMES, EvictionConfig
 from vase_sglang.hf_reference import ReferenceDecoder
 
@@ -34,9 +34,11 @@ def tokenizer(tiny_model_fp32):
 
 
 @pytest.fixture(scope="module")
-def snapkv_server(tiny_model_fp32):
-    with Server(tiny_model_fp32, _args("snapkv", "--decode-log-interval", "1")) as server:
-        yield server
+def snapkv_server(snapkv_server):
+    """The shared snapkv server (conftest.py), started with _args("snapkv") and a decode log
+    line every step."""
+    assert SNAPKV == {"policy": "snapkv", "budget": BUDGET, "window": WINDOW, "seed": 5}
+    return snapkv_server
 
 
 def _served(server, prompt_ids, n, seed=77, kv_evict=None):
@@ -232,13 +234,16 @@ def test_many_requests_evicting_in_the_same_step(snapkv_server, tokenizer):
     snapkv_server.wait_idle_checked()
 
 
-def test_radix_off_evicts_the_prompt_too(tiny_model_fp32, hf_model, tokenizer):
+def test_radix_off_evicts_the_prompt_too(radix_off_server, hf_model, tokenizer):
+    """On the shared server with the radix cache off (conftest.py), streaming at this module's
+    budget and window asked for per request."""
+    server = radix_off_server
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]
-    args = _args("streaming", "--disable-radix-cache", "--decode-log-interval", "1")
-    with Server(tiny_model_fp32, args) as server:
-        tokens, logprobs, meta = _served(server, prompt, 60)
-        usage = _token_usage(server.output())
-        server.wait_idle_checked()
+    before = len(server.output())
+    kv_evict = {"policy": "streaming", "budget": BUDGET, "window": WINDOW, "seed": 5}
+    tokens, logprobs, meta = _served(server, prompt, 60, kv_evict=kv_evict)
+    usage = _token_usage(server.output()[before:])
+    server.wait_idle_checked()
     assert len(tokens) == 60
     # Whole row private: the first step already exceeds T + R and cuts the prompt back.
     assert meta["kv_evicted_tokens"] >= len(prompt) - BUDGET
