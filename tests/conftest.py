@@ -11,7 +11,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from servers import RADIX_OFF, RADIX_OFF_POOL, SNAPKV, VASE_ATTNV, Server  # noqa: E402
+from servers import (PAGE, PAGED, RADIX_OFF, RADIX_OFF_POOL, SNAPKV, VASE_ATTNV,  # noqa: E402
+                     Server, trimkv_gates)
 from vase_sglang.tiny_model import build_tiny_qwen3  # noqa: E402
 
 
@@ -35,7 +36,8 @@ def tiny_model_fp32(tmp_path_factory) -> str:
 # Shared servers started so far, by fixture name; each is stopped right after the last test
 # that uses it (pytest_runtest_teardown below), not at the end of the session, so that idle
 # servers do not pile up in memory.
-SHARED_SERVERS = ("snapkv_server", "stock_server", "radix_off_server", "vase_server")
+SHARED_SERVERS = ("snapkv_server", "stock_server", "radix_off_server", "vase_server",
+                  "paged_server")
 _shared: dict[str, Server] = {}
 _last_user: dict[str, str] = {}
 
@@ -102,3 +104,26 @@ def vase_server(tiny_model_fp32):
     for key, value in VASE_ATTNV.items():
         flags += ["--kv-evict-" + key, str(value)]
     yield from _shared_server("vase_server", tiny_model_fp32, flags)
+
+
+@pytest.fixture(scope="session")
+def trimkv_gates_file(tiny_model_fp32, tmp_path_factory):
+    """servers.trimkv_gates (seed 7) for the tiny fp32 model, saved as a gates file."""
+    from transformers import AutoConfig
+
+    from vase_sglang import retention
+
+    config = AutoConfig.from_pretrained(tiny_model_fp32)
+    path = tmp_path_factory.mktemp("gates") / "gates.safetensors"
+    return retention.save_gates(path, trimkv_gates(config), config)
+
+
+@pytest.fixture(scope="session")
+def paged_server(tiny_model_fp32, trimkv_gates_file):
+    """tiny fp32 Qwen3, --page-size 16, snapkv (PAGED), trimkv's gates loaded (so requests may
+    ask for trimkv), a decode log line every step. Shared by test_paged and test_server_trimkv."""
+    flags = ["--dtype", "float32", "--page-size", str(PAGE), "--decode-log-interval", "1",
+             "--kv-evict-retention-gates", str(trimkv_gates_file)]
+    for key, value in PAGED.items():
+        flags += ["--kv-evict-" + key, str(value)]
+    yield from _shared_server("paged_server", tiny_model_fp32, flags)

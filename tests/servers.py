@@ -32,6 +32,19 @@ SNAPKV = {"policy": "snapkv", "budget": 32, "window": 8, "seed": 5}
 RADIX_OFF_POOL, RADIX_OFF = 1024, {"policy": "vase-attnv", "budget": 64, "window": 16}
 # ...and of the shared vase-attnv server (differs from SNAPKV in every field).
 VASE_ATTNV = {"policy": "vase-attnv", "budget": 24, "window": 4, "sinks": 2, "seed": 9}
+# ...and of the shared paged server (tests/test_paged.py, tests/test_server_trimkv.py): pages of
+# 16, budget and window page multiples, trimkv's gates loaded (trimkv_gates, seed 7).
+PAGE = 16
+PAGED = {"policy": "snapkv", "budget": 48, "window": 16, "seed": 5}
+
+
+def trimkv_gates(config, seed=7):
+    """Deterministic retention gates whose β spread widely (gate weights 0.5, bias 2), so
+    retention, not age alone, decides what trimkv keeps."""
+    from vase_sglang import retention
+
+    return retention.RetentionGates.for_model(config, gate_hidden=8, bias_init=2.0,
+                                              init_std=0.5, seed=seed)
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """Eviction with paged KV (--page-size 16) in real SGLang servers on CPU (tiny fp32 Qwen3,
 radix cache on, overlap scheduler on, strict memory checks on: conservation every busy step,
-page ownership, the idle leak check).
+page ownership, the idle leak check). Most tests use the shared paged server (conftest.py).
 
 Settings: budget 48 and window 16 are multiples of the page, so the server's own evictions
 move whole pages of the newest window by rewriting the row; a request's own budget 40 (keep
@@ -18,20 +18,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from servers import Server
+from servers import PAGE, PAGED, SNAPKV, Server
 from vase_sglang import EvictionConfig
 from vase_sglang.hf_reference import ReferenceDecoder
 
-PAGE, BUDGET, WINDOW = 16, 48, 16
+BUDGET, WINDOW = PAGED["budget"], PAGED["window"]
 COPY = {"budget": 40}  # keep 24: the newest window is copied, not moved by pages
 TOL = 1e-4  # fp32 on both sides; the page-1 test's tolerance
 torch.set_num_threads(1)
-
-
-def _args(page, *extra):
-    return ["--dtype", "float32", "--page-size", str(page), "--kv-evict-policy", "snapkv",
-            "--kv-evict-budget", str(BUDGET), "--kv-evict-window", str(WINDOW),
-            "--kv-evict-seed", "5", *extra]
 
 
 def _round_up(x, page=PAGE):
@@ -41,12 +35,6 @@ def _round_up(x, page=PAGE):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_fp32):
     return AutoTokenizer.from_pretrained(tiny_model_fp32)
-
-
-@pytest.fixture(scope="module")
-def paged_server(tiny_model_fp32):
-    with Server(tiny_model_fp32, _args(PAGE, "--decode-log-interval", "1")) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -207,39 +195,48 @@ def test_window_below_the_page_is_refused_per_request(paged_server, tokenizer):
 
 # -- page 16 against page 1 and against stock ------------------------------------------------
 
-EQUAL = ["snapkv", "vase-attnv", "vase-dkv", "streaming"]
+# The policies that read no window queries: the shared page-1 snapkv server (window 8) can
+# serve them per request at this window (16); the query policies are compared with the
+# reference above, and at page 1 in tests/test_server_eviction.py.
+EQUAL = ["vase-dkv", "streaming", "evict-large-values"]
 N_EQUAL = 120
+assert PAGED["seed"] == SNAPKV["seed"]  # the same random draws on both servers
 
 
 def _equal_requests():
     requests = {}
     for policy in EQUAL:
-        requests[(policy, "pages")] = {"policy": policy}
-        requests[(policy, "copy")] = {"policy": policy, **COPY}
+        requests[(policy, "pages")] = {"policy": policy, "budget": BUDGET, "window": WINDOW}
+        requests[(policy, "copy")] = {"policy": policy, "window": WINDOW, **COPY}
     return requests
 
 
 @pytest.fixture(scope="module")
-def page_multiple_prompt(tokenizer):
-    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"][:2 * PAGE]
-    assert len(ids) == 2 * PAGE
-    return ids
+def page_multiple_prompts(tokenizer):
+    """One prompt of two whole pages per request, seen by no other test: each is prefilled
+    in full on both servers (a prefix cached by another request would have been computed in
+    another batch shape, with other float roundings)."""
+    prompts = {}
+    for i, key in enumerate(_equal_requests()):
+        text = f"Paged equality request {i}: " + "the quick brown fox jumps over the lazy dog " * 4
+        prompts[key] = tokenizer(text)["input_ids"][:2 * PAGE]
+        assert len(prompts[key]) == 2 * PAGE
+    return prompts
 
 
-def test_page_16_equals_page_1_where_the_schedules_coincide(tiny_model_fp32, paged_server,
-                                                            page_multiple_prompt):
+def test_page_16_equals_page_1_where_the_schedules_coincide(snapkv_server, paged_server,
+                                                            page_multiple_prompts):
     """With a prompt of whole pages the tree owns the same prefix at both page sizes, so the
     evictions run at the same steps over the same candidates: the same tokens and logprobs
     (fp32), through both the page-moving and the copying path. One request at a time on both
     servers: in a shared batch the projections' float sums depend on which requests run
     together, and a sampled policy's near-tie may then flip one way on one server only."""
-    paged = {key: _served(paged_server, page_multiple_prompt, N_EQUAL, kv_evict=kv)
+    paged = {key: _served(paged_server, page_multiple_prompts[key], N_EQUAL, kv_evict=kv)
              for key, kv in _equal_requests().items()}
     paged_server.wait_idle_checked(1)
-    with Server(tiny_model_fp32, _args(1)) as server:
-        flat = {key: _served(server, page_multiple_prompt, N_EQUAL, kv_evict=kv)
-                for key, kv in _equal_requests().items()}
-        server.wait_idle_checked(1)
+    flat = {key: _served(snapkv_server, page_multiple_prompts[key], N_EQUAL, kv_evict=kv)
+            for key, kv in _equal_requests().items()}
+    snapkv_server.wait_idle_checked(1)
     for key in paged:
         tokens, logprobs, meta = paged[key]
         assert meta["kv_evicted_tokens"] > 2 * WINDOW, key

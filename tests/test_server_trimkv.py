@@ -1,8 +1,9 @@
 """trimkv served by a real SGLang server on CPU (tiny fp32 Qwen3, radix cache on, strict memory
 checks on), against the transformers reference with the same gates.
 
-One server, started with --kv-evict-policy trimkv and deterministic gates whose β spread widely
-(so retention, not age alone, decides), at --page-size 16: the server's budget 48 (a page
+One server (the shared paged server, conftest.py: snapkv with trimkv's gates loaded, so every
+request here asks for trimkv) with deterministic gates whose β spread widely (so retention,
+not age alone, decides), at --page-size 16: the server's budget 48 (a page
 multiple) moves the newest window by whole pages, a request's budget 40 copies it into the
 candidates' pages (patches/runtime.py), so both places where K/V move, and the side buffers
 with them, are checked. The prompt's partial last page is private, as in tests/test_paged.py.
@@ -12,14 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from servers import Server
+from servers import PAGE, PAGED, trimkv_gates
 from vase_sglang import EvictionConfig
-from vase_sglang import retention as R
 from vase_sglang.hf_reference import ReferenceDecoder
 
-PAGE, BUDGET, WINDOW = 16, 48, 16
+BUDGET, WINDOW = PAGED["budget"], PAGED["window"]
+assert BUDGET % PAGE == 0 and WINDOW % PAGE == 0
 COPY = {"budget": 40}  # keep 24: the newest window is copied, not moved by pages
 HYBRID = {"value_slots": 6}  # VaSE + learned retention
 TOL = 1e-4  # fp32 on both sides, as tests/test_server_eviction.py
@@ -27,26 +28,14 @@ N_FAITHFUL = 200
 torch.set_num_threads(1)
 
 
-def _gates(config, seed=7):
-    # Widely spread β (gate weights 0.5, bias 2), as the reference's replay test.
-    return R.RetentionGates.for_model(config, gate_hidden=8, bias_init=2.0, init_std=0.5,
-                                      seed=seed)
+@pytest.fixture(scope="module")
+def gates_file(trimkv_gates_file):
+    return trimkv_gates_file
 
 
 @pytest.fixture(scope="module")
-def gates_file(tiny_model_fp32, tmp_path_factory):
-    config = AutoConfig.from_pretrained(tiny_model_fp32)
-    path = tmp_path_factory.mktemp("gates") / "gates.safetensors"
-    return R.save_gates(path, _gates(config), config)
-
-
-@pytest.fixture(scope="module")
-def trimkv_server(tiny_model_fp32, gates_file):
-    args = ["--dtype", "float32", "--page-size", str(PAGE), "--kv-evict-policy", "trimkv",
-            "--kv-evict-budget", str(BUDGET), "--kv-evict-window", str(WINDOW),
-            "--kv-evict-retention-gates", str(gates_file)]
-    with Server(tiny_model_fp32, args) as server:
-        yield server
+def trimkv_server(paged_server):
+    return paged_server
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +50,12 @@ def _served(server, prompt_ids, n, kv_evict):
     return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
 
 
+TRIMKV = {"policy": "trimkv"}
 REQUESTS = {
-    "pages": {},
-    "copy": COPY,
-    "hybrid-pages": HYBRID,
-    "hybrid-copy": {**HYBRID, **COPY},
+    "pages": TRIMKV,
+    "copy": {**TRIMKV, **COPY},
+    "hybrid-pages": {**TRIMKV, **HYBRID},
+    "hybrid-copy": {**TRIMKV, **HYBRID, **COPY},
 }
 
 
@@ -84,7 +74,7 @@ def served(trimkv_server, tiny_model_fp32):
 
 
 def _reference(model, prompt, forced, gates, **settings):
-    cfg = EvictionConfig(policy="trimkv", budget=BUDGET, window=WINDOW).replace(**settings)
+    cfg = EvictionConfig(budget=BUDGET, window=WINDOW).replace(**settings)
     return ReferenceDecoder(model, cfg, page_size=PAGE, gates=gates).run(prompt, forced_ids=forced)
 
 
@@ -107,7 +97,7 @@ def test_trimkv_faithful_to_transformers_reference(served, hf_model, gates_file,
     ref = _reference(hf_model, prompt, tokens, gates_file, **settings)
     assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"] > 0
     assert _max_diff(logprobs, ref["logprobs"]) < TOL
-    other = _reference(hf_model, prompt, tokens, _gates(hf_model.config, seed=8), **settings)
+    other = _reference(hf_model, prompt, tokens, trimkv_gates(hf_model.config, seed=8), **settings)
     assert _max_diff(logprobs, other["logprobs"]) > 1e-2
 
 
