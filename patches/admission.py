@@ -40,13 +40,9 @@ def charge_len(cfg, page_size: int = 1) -> int:
     ceil((T + R) / ps)). Charging the bottom of the cycle admits a few more requests but,
     with them in phase, the pool runs short every few steps and each time forces an early
     eviction round; charging the top leaves up to `window` tokens per request idle."""
-    low = _round_up(cfg.budget, page_size)
-    high = _round_up(cfg.budget + cfg.window, page_size)
-    return _round_up((low + high) // 2 + 2, page_size)
-
-
-def _round_up(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size) * page_size
+    low = runtime.round_up_to_pages(cfg.budget, page_size)
+    high = runtime.round_up_to_pages(cfg.budget + cfg.window, page_size)
+    return runtime.round_up_to_pages((low + high) // 2 + 2, page_size)
 
 
 @contextmanager
@@ -106,7 +102,7 @@ def capped_running_offset(cfg, req, new_token_ratio: float, radix: bool,
     kv = req.kv
     prompt_pages = len(req.origin_input_ids) // page_size * page_size
     owned = max(kv.cache_protected_len, prompt_pages) if radix else 0
-    held = _round_up(kv.kv_allocated_len, page_size)
+    held = runtime.round_up_to_pages(kv.kv_allocated_len, page_size)
     growth = max(0, owned + charge_len(cfg, page_size) - held)
     if growth < remaining:
         return float(growth)

@@ -329,8 +329,9 @@ class EvictionRuntime:
             ops.compact_kv_(self.k_buffers, self.v_buffers, row_slots[:, k:], shift)
             if side is not None:  # their log β and positions move with them
                 ops.compact_kv_(side[0], side[1], row_slots[:, k:], shift)
-            first_free = _round_up(k + window, self.page_size)
-            self._free(row_slots[:, first_free:_round_up(n + window, self.page_size)])
+            new_end = round_up_to_pages(k + window, self.page_size)
+            old_end = round_up_to_pages(n + window, self.page_size)
+            self._free(row_slots[:, new_end:old_end])
         return k
 
     def _free(self, slots: torch.Tensor) -> None:
@@ -435,8 +436,9 @@ def side_bytes_per_token(layers: int, kv_heads: int) -> int:
     return layers * kv_heads * 2 * 4
 
 
-def _round_up(x: int, page_size: int) -> int:
-    return -(-x // page_size) * page_size
+def round_up_to_pages(tokens: int, page_size: int) -> int:
+    """`tokens` rounded up to whole pages: what a row of that many tokens holds."""
+    return -(-tokens // page_size) * page_size
 
 
 def _pages_move_whole(n: int, k: int, page_size: int) -> bool:
@@ -451,7 +453,7 @@ def freed_slots(n: int, k: int, window: int, page_size: int) -> int:
         return 0
     if _pages_move_whole(n, k, page_size):
         return n - k
-    return _round_up(n + window, page_size) - _round_up(k + window, page_size)
+    return round_up_to_pages(n + window, page_size) - round_up_to_pages(k + window, page_size)
 
 
 def _pinned(device: torch.device) -> bool:

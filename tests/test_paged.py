@@ -10,7 +10,6 @@ partial last page is private and evicted like generated tokens.
 """
 
 import json
-import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -138,16 +137,8 @@ def test_paged_shared_prefix_over_several_pages_stays_cached(paged_server, token
     shared_pages = len(tokenizer(common)["input_ids"]) // PAGE
     assert shared_pages >= 3
     alone = [_served(paged_server, p, 120)[0] for p in prompts]
-    results = [None] * len(prompts)
-
-    def run(i):
-        results[i] = _served(paged_server, prompts[i], 120)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(len(prompts)) as pool:  # all in flight together
+        results = list(pool.map(lambda p: _served(paged_server, p, 120), prompts))
     for i, (tokens, _, meta) in enumerate(results):
         assert tokens == alone[i], f"request {i} differs when run with the others"
         assert meta["kv_evicted_tokens"] > 0
