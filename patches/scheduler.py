@@ -41,9 +41,10 @@ def around_update_running_batch(original, self, batch):
             # back to it rather than let the original retract: a retracted compacted request
             # must re-prefill its whole true length.
             freed = rt.evict(batch, skip=finishing, early=True)
-            # INFO like SGLang's own "KV cache pool is full. Retract requests." line.
-            logger.info("KV cache pool short for the next decode step: early eviction freed "
-                        "%d slots", freed)
+            if freed:  # else nothing is over budget by a page: SGLang retracts, and says so
+                # INFO like SGLang's own "KV cache pool is full. Retract requests." line.
+                logger.info("KV cache pool short for the next decode step: early eviction "
+                            "freed %d slots", freed)
     return original(self, batch)
 
 
