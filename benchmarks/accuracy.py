@@ -9,13 +9,17 @@ Problems come from reasoning-gym (offline, fixed seed): `gsm_symbolic` (GSM8K te
 new numbers) or `chain_sum`. The export writes GSM8K-format jsonl ({"question", "answer":
 cot + "\\n#### N"}) for `python -m sglang.test.few_shot_gsm8k --data-path FILE`.
 
-Stages of `run` (in this order; each appends to records.jsonl and is skipped on resume):
+Stages of `run` (--stages, default greedy,tf,curve; each appends to records.jsonl and is
+skipped on resume):
   greedy  every policy at the main budget (+ vase-attnv with value_slots=0), greedy, --n problems
   tf      teacher-forced: the full-cache greedy output replayed under each policy's evicting
           cache (forcing happens in decode, where eviction happens); per-token NLL, KL against
           full (on the full cache's top-k ids + the rest, a lower bound of the exact KL) and
-          top-1 agreement, --tf-n problems
-  sweep   the other --sweep budgets (window = budget/4) for every evicting policy, --sweep-n
+          top-1 agreement, --tf-n problems; bootstrap intervals over problems, and paired
+          differences of vase-attnv against every other arm at the same budget
+  curve   teacher-forced budget curve: --curve-policies at the --curve budgets (window =
+          budget/4), --curve-n problems; budget_curve.png (KL and top-1 vs compression)
+  sweep   greedy at the other --sweep budgets for every evicting policy, --sweep-n
   sample  every policy at the main budget with temperature 0.6, top-p 0.95, --sample-n
 
 Serving: if the plugin has per-request control (patches/request_control.py), ONE server started
@@ -181,7 +185,10 @@ def stage_arms(stage: str, a) -> list[Arm]:
     if stage == "sample":
         return [Arm(x.policy, x.budget, x.window, x.value_slots, decoding="sample")
                 for x in main]
-    raise ValueError(f"--stages: unknown stage {stage!r}; use greedy, tf, sweep, sample")
+    if stage == "curve":  # teacher-forced budget curve; the main budget's arms are tf's own
+        return [Arm(p, b, a.window if b == a.budget else window_for(b), kind="tf")
+                for b in a.curve for p in a.curve_policies]
+    raise ValueError(f"--stages: unknown stage {stage!r}; use greedy, tf, curve, sweep, sample")
 
 
 # ----------------------------------------------------------------------------- records
@@ -257,7 +264,8 @@ class Harness:
     def server_flags(self, arms: list[Arm]) -> list[str]:
         if self.mode == "per-request":
             # one server for every stage: its window bounds the per-request windows
-            window = max([window_for(b) for b in self.a.sweep] + [self.a.window])
+            window = max([window_for(b) for b in self.a.sweep + getattr(self.a, "curve", [])]
+                         + [self.a.window])
             return ["--kv-evict-policy", QUERY_POLICY, "--kv-evict-budget", str(self.a.budget),
                     "--kv-evict-window", str(window), "--kv-evict-seed", str(self.a.seed)]
         (setting,) = {x.setting for x in arms}
@@ -268,7 +276,7 @@ class Harness:
                                             "--dtype", self.a.dtype] + self.a.server_args.split())
         return BenchServer(self.a.model_path, flags, log_path=self.out / "server.log",
                            max_total_tokens=self.a.max_total_tokens,
-                           max_running=self.a.concurrency)
+                           max_running=self.a.concurrency, threads=self.a.threads)
 
     _server: BenchServer | None = None
     _server_key: tuple | None = None
@@ -426,8 +434,8 @@ class Harness:
     def stage(self, name: str, n: int | None = None) -> None:
         """Run one stage on its first n problems (default: the stage's --*-n option)."""
         a = self.a
-        n = n if n is not None else {"greedy": a.n, "tf": a.tf_n, "sweep": a.sweep_n,
-                                     "sample": a.sample_n}.get(name, 0)
+        n = n if n is not None else {"greedy": a.n, "tf": a.tf_n, "curve": a.curve_n,
+                                     "sweep": a.sweep_n, "sample": a.sample_n}.get(name, 0)
         if name == "greedy":
             self.run_jobs(self.interleave(stage_arms("greedy", a), self.problems(n)), "greedy")
         elif name == "sweep":
@@ -437,24 +445,28 @@ class Harness:
         elif name == "sample":
             self.run_jobs(self.interleave(stage_arms("sample", a), self.problems(n)),
                           "sample")
-        elif name == "tf":
-            probs = self.problems(n)
-            full = Arm("full")
-            self.run_jobs(self.interleave([full], probs), "tf (full greedy)")
-            arms = stage_arms("tf", a)
-            forced = {p["pid"]: self.records.get(full, p["pid"])["output_ids"] for p in probs}
-            self.run_jobs([(arms[0], p, {"forced": forced[p["pid"]]}) for p in probs],
-                          "tf (full replay)")
-            jobs = []
-            for p in probs:
-                ref = self.records.get(arms[0], p["pid"])
-                flat = [i for ids in ref["ref_ids"] for i in ids]
-                for arm in arms[1:]:
-                    jobs.append((arm, p, {"forced": forced[p["pid"]], "ref": flat,
-                                          "ref_lp": ref["ref_lp"]}))
-            self.run_jobs(jobs, "tf (policies)")
+        elif name in ("tf", "curve"):
+            self.teacher_forced(name, stage_arms(name, a), self.problems(n))
         else:
             raise ValueError(f"--stages: unknown stage {name!r}")
+
+    def teacher_forced(self, name: str, arms: list[Arm], probs: list[dict]) -> None:
+        """Replay the full cache's greedy output under the full cache (the reference top-k)
+        and then under each evicting arm."""
+        full, full_tf = Arm("full"), Arm("full", kind="tf")
+        self.run_jobs(self.interleave([full], probs), f"{name} (full greedy)")
+        forced = {p["pid"]: self.records.get(full, p["pid"])["output_ids"] for p in probs}
+        self.run_jobs([(full_tf, p, {"forced": forced[p["pid"]]}) for p in probs],
+                      f"{name} (full replay)")
+        jobs = []
+        for p in probs:
+            ref = self.records.get(full_tf, p["pid"])
+            flat = [i for ids in ref["ref_ids"] for i in ids]
+            for arm in arms:
+                if arm.evicts:
+                    jobs.append((arm, p, {"forced": forced[p["pid"]], "ref": flat,
+                                          "ref_lp": ref["ref_lp"]}))
+        self.run_jobs(jobs, f"{name} (policies)")
 
 
 def _evicted_total(v):
@@ -544,6 +556,7 @@ def summarize(out: Path, boot_iters: int = 10000) -> dict:
                         x is not None and x < arm.budget + arm.window for x in divs)})
         summary["generation"][name] = s
     tf_full = by_arm.get(Arm("full", kind="tf").name, {})
+    sums: dict[str, dict] = {}  # per tf arm: per-problem metric sums over the measured tokens
     for name, recs in sorted(by_arm.items()):
         arm = Arm(**fields[name])
         if arm.kind != "tf":
@@ -558,15 +571,84 @@ def summarize(out: Path, boot_iters: int = 10000) -> dict:
              "top1_agree_after_first_eviction": st.mean(agree)}
         if arm.evicts:
             common = sorted(set(recs) & set(tf_full))
-            full_after = [x for p in common for x in tf_full[p]["nll"][start:]]
-            pol_after = [x for p in common for x in recs[p]["nll"][start:]]
-            s["nll_excess_after_first_eviction"] = st.mean(pol_after) - st.mean(full_after)
+            per = tf_sums(recs, tf_full, common, start)
+            sums[name] = {"pids": common, **per}
+            s["n_paired"] = len(common)
+            for metric in ("kl", "nll_excess", "top1"):
+                m, lo, hi = st.cluster_bootstrap(per[metric], per["count"], boot_iters)
+                s[TF_METRICS[metric]] = m
+                s[TF_METRICS[metric].replace("_after", "_boot95_after")] = [lo, hi]
             kl = [x for r in recs.values() for x in r["kl"][start:]]
-            s["kl_after_first_eviction"] = st.mean(kl)
             s["kl_p90_after_first_eviction"] = sorted(kl)[int(0.9 * len(kl))] if kl else None
             s["kl_note"] = f"KL(full || policy) on the full cache's top-{TF_K} ids + the rest: a lower bound"
+            s["compression"] = generated_compression(
+                [len(recs[p]["nll"]) for p in common], arm.budget, arm.window)
         summary["teacher_forced"][name] = s
+    summary["teacher_forced_pairs"] = tf_pairs(fields, sums, boot_iters)
     return summary
+
+
+# per-token teacher-forced metrics -> summary keys (tokens after the first eviction)
+TF_METRICS = {"kl": "kl_after_first_eviction", "nll_excess": "nll_excess_after_first_eviction",
+              "top1": "top1_agree_after_first_eviction"}
+# (reference arm, what it is compared with): VaSE-AttnV against each other policy at the same
+# budget, and against itself without its value slots
+PAIR_REFERENCE = "vase-attnv"
+
+
+def tf_sums(recs: dict, tf_full: dict, pids: list, start: int) -> dict:
+    """Per problem: sums of KL, NLL excess over the full cache's replay (same tokens) and top-1
+    agreement over the tokens after the first eviction, and their count."""
+    out = {"kl": [], "nll_excess": [], "top1": [], "count": []}
+    for p in pids:
+        r, f = recs[p], tf_full[p]
+        out["kl"].append(sum(r["kl"][start:]))
+        out["nll_excess"].append(sum(r["nll"][start:]) - sum(f["nll"][start:]))
+        out["top1"].append(sum(r["top1_agree"][start:]))
+        out["count"].append(len(r["nll"][start:]))
+    return out
+
+
+def generated_compression(lengths: list[int], budget: int, window: int) -> float:
+    """How many times smaller the generated tokens' cache is than under the full cache, averaged
+    over the measured tokens (positions t >= T + R, where the cache holds T + (t - T) mod R of
+    the t generated tokens; the prompt, never evicted, is left out)."""
+    num = den = 0.0
+    for n in lengths:
+        for t in range(budget + window, n):
+            num += t / (budget + (t - budget) % window)
+            den += 1
+    return num / den if den else float("nan")
+
+
+def tf_pairs(fields: dict, sums: dict, boot_iters: int) -> dict:
+    """Paired differences (reference − other) of the teacher-forced metrics on the problems both
+    arms replayed, with a bootstrap CI over problems and p-value; significant when the 95% CI
+    excludes 0."""
+    pairs = {}
+    for ref_name, ref in sums.items():
+        a = Arm(**fields[ref_name])
+        if a.policy != PAIR_REFERENCE or a.value_slots is not None:
+            continue
+        for name, other in sums.items():
+            b = Arm(**fields[name])
+            if name == ref_name or (b.budget, b.window) != (a.budget, a.window):
+                continue
+            pids = sorted(set(ref["pids"]) & set(other["pids"]))
+            ia = [ref["pids"].index(p) for p in pids]
+            ib = [other["pids"].index(p) for p in pids]
+            counts = [ref["count"][i] for i in ia]
+            assert counts == [other["count"][i] for i in ib]  # same forced tokens
+            row = {"reference": a.label, "other": b.label, "budget": a.budget,
+                   "window": a.window, "n_paired": len(pids)}
+            for metric in ("kl", "nll_excess", "top1"):
+                d, lo, hi, p = st.paired_cluster_bootstrap(
+                    [ref[metric][i] for i in ia], [other[metric][i] for i in ib], counts,
+                    boot_iters)
+                row[metric] = {"diff": d, "boot95": [lo, hi], "p": p,
+                               "significant": bool(lo > 0 or hi < 0)}
+            pairs[f"{a.label} vs {b.label} @T={a.budget}"] = row
+    return pairs
 
 
 def plot(summary: dict, out: Path) -> None:
@@ -605,22 +687,67 @@ def plot(summary: dict, out: Path) -> None:
     fig.savefig(out / "accuracy.png", dpi=110)
     plt.close(fig)
 
-    tf = [s for s in summary["teacher_forced"].values() if s["policy"] != "full"]
+    all_tf = [s for s in summary["teacher_forced"].values() if s["policy"] != "full"]
+    main_budget = _main_budget(out, all_tf)
+    tf = [s for s in all_tf if s["budget"] == main_budget]
+    panels = ((f"KL(full||policy), top-{TF_K}+rest", "kl"),
+              ("NLL excess over full (nats/token)", "nll_excess"),
+              ("top-1 agreement with full output", "top1_agree"))
     if tf:
         tf.sort(key=lambda s: s.get("kl_after_first_eviction") or 0)
         labels = [Arm(**{k: s[k] for k in ("policy", "value_slots")}).label for s in tf]
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-        for ax, keyname, title in (
-                (axes[0], "kl_after_first_eviction", f"KL(full||policy), top-{TF_K}+rest"),
-                (axes[1], "nll_excess_after_first_eviction", "NLL excess over full (nats/token)"),
-                (axes[2], "top1_agree_after_first_eviction", "top-1 agreement with full output")):
-            ax.barh(labels, [s.get(keyname) or 0 for s in tf])
-            ax.set_title(title, fontsize=9)
-        fig.suptitle(f"teacher-forced replay of the full-cache greedy output (tokens after the "
-                     f"first eviction, n={tf[0]['n']} problems)", fontsize=10)
+        for ax, (title, metric) in zip(axes, panels):
+            vals, err = _with_ci(tf, metric)
+            ax.barh(labels, vals, xerr=err, capsize=3)
+            ax.set_title(title + " [95% bootstrap CI]", fontsize=9)
+        fig.suptitle(f"teacher-forced replay of the full-cache greedy output at T={main_budget} "
+                     f"(tokens after the first eviction, n={tf[0]['n']} problems)", fontsize=10)
         fig.tight_layout()
         fig.savefig(out / "fidelity.png", dpi=110)
         plt.close(fig)
+    curves = defaultdict(list)
+    for s in all_tf:
+        curves[Arm(**{k: s[k] for k in ("policy", "value_slots")}).label].append(s)
+    curves = {lab: sorted(ss, key=lambda s: s["budget"]) for lab, ss in curves.items()
+              if len({s["budget"] for s in ss}) >= 2}
+    if curves:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+        for lab, ss in sorted(curves.items()):
+            xs = [s["compression"] for s in ss]
+            for ax, (title, metric) in zip(axes, (panels[0], panels[2])):
+                vals, err = _with_ci(ss, metric)
+                ax.errorbar(xs, vals, yerr=err, marker="o", capsize=3, label=lab, alpha=0.85)
+        for ax, (title, _) in zip(axes, (panels[0], panels[2])):
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="compression of the generated tokens' cache (x, mean over measured "
+                          "tokens)", title=title + " [95% bootstrap CI]")
+            ax.legend(fontsize=8)
+        for s in next(iter(curves.values())):  # budget labels on the first panel
+            axes[0].annotate(f"T={s['budget']}", (s["compression"], s["kl_after_first_eviction"]),
+                             fontsize=7, textcoords="offset points", xytext=(4, 4))
+        fig.suptitle(f"budget curve (teacher-forced, R = T/4, n={min(s['n'] for ss in curves.values() for s in ss)} problems)",
+                     fontsize=10)
+        fig.tight_layout()
+        fig.savefig(out / "budget_curve.png", dpi=110)
+        plt.close(fig)
+
+
+def _main_budget(out: Path, tf_summaries: list[dict]) -> int | None:
+    cfg = out / "config.json"
+    if cfg.exists():
+        return json.loads(cfg.read_text())["budget"]
+    budgets = [s["budget"] for s in tf_summaries]
+    return max(set(budgets), key=budgets.count) if budgets else None
+
+
+def _with_ci(summaries: list[dict], metric: str):
+    """Values and asymmetric error bars of a teacher-forced metric."""
+    key, ci = f"{metric}_after_first_eviction", f"{metric}_boot95_after_first_eviction"
+    vals = [s.get(key) for s in summaries]
+    lo = [v - s[ci][0] if ci in s else 0 for v, s in zip(vals, summaries)]
+    hi = [s[ci][1] - v if ci in s else 0 for v, s in zip(vals, summaries)]
+    return vals, [lo, hi]
 
 
 def markdown(summary: dict) -> str:
@@ -636,13 +763,31 @@ def markdown(summary: dict) -> str:
                      f"{fmt(v.get('same_answer'))} | {v.get('first_divergence_median', '–')} | "
                      f"{fmt(s['loop_rate'])} | {s['mean_tokens']:.0f} |")
     if summary["teacher_forced"]:
-        lines += ["", "| teacher-forced arm | n | NLL after 1st eviction | NLL excess | KL (lower bound) "
-                  "| top-1 agreement |", "|---" * 6 + "|"]
+        lines += ["", "| teacher-forced arm | n | compression | NLL after 1st eviction | "
+                  "NLL excess [boot 95%] | KL, lower bound [boot 95%] | top-1 agreement [boot 95%] |",
+                  "|---" * 7 + "|"]
         for name, s in summary["teacher_forced"].items():
-            lines.append(f"| {name} | {s['n']} | {s['nll_after_first_eviction']:.3f} | "
-                         f"{s.get('nll_excess_after_first_eviction', 0):+.3f} | "
-                         f"{s.get('kl_after_first_eviction', 0):.4f} | "
-                         f"{s['top1_agree_after_first_eviction']:.3f} |")
+            cells = []
+            for metric, p in (("nll_excess", "+.3f"), ("kl", ".4f"), ("top1_agree", ".3f")):
+                v = s.get(f"{metric}_after_first_eviction")
+                ci = s.get(f"{metric}_boot95_after_first_eviction")
+                cells.append("–" if v is None
+                             else f"{v:{p}}" + (f" [{ci[0]:{p}}, {ci[1]:{p}}]" if ci else ""))
+            comp = f"{s['compression']:.1f}×" if "compression" in s else "–"
+            lines.append(f"| {name} | {s['n']} | {comp} | {s['nll_after_first_eviction']:.3f} | "
+                         + " | ".join(cells) + " |")
+    if summary.get("teacher_forced_pairs"):
+        lines += ["", "| paired difference (teacher-forced) | n | ΔKL [boot 95%] | p | "
+                  "ΔNLL excess [boot 95%] | p | Δtop-1 [boot 95%] | p |", "|---" * 8 + "|"]
+        for name, row in summary["teacher_forced_pairs"].items():
+            cells = []
+            for metric in ("kl", "nll_excess", "top1"):
+                m = row[metric]
+                star = " *" if m["significant"] else ""
+                cells.append(f"{m['diff']:+.4f} [{m['boot95'][0]:+.4f}, {m['boot95'][1]:+.4f}]"
+                             f"{star} | {m['p']:.3f}")
+            lines.append(f"| {name} | {row['n_paired']} | " + " | ".join(cells) + " |")
+        lines.append("\n\\* the 95% interval excludes 0")
     return "\n".join(lines) + "\n"
 
 
@@ -706,15 +851,22 @@ def parse_args(argv=None):
         p.add_argument("--dtype", default="float32",
                        help="server --dtype: CPUs without native bf16 run bf16 weights far slower")
         p.add_argument("--server-args", default="", help="extra launch_server arguments, one string")
+        p.add_argument("--threads", type=int, default=2,
+                       help="OMP threads of the server: on 2 cores, 2 threads made 70 tok/s at 64 "
+                            "requests, 1 thread 45 (two 1-thread servers: 69)")
         p.add_argument("--sweep", default="32,64,128,192", help="budgets of the sweep stage")
+        p.add_argument("--curve", default="32,48,64,96,128,192",
+                       help="budgets of the teacher-forced budget curve (window = budget/4)")
+        p.add_argument("--curve-policies", default="vase-attnv,snapkv,random")
 
     r = sub.add_parser("run")
     common(r)
-    r.add_argument("--stages", default="greedy,tf,sweep,sample",
+    r.add_argument("--stages", default="greedy,tf,curve",
                    help="comma list of stages in order, each optionally STAGE:N (its first N "
                         "problems), e.g. greedy:30,tf:30,greedy:100 to get fidelity early")
     r.add_argument("--n", type=int, default=100, help="problems of the greedy stage")
-    r.add_argument("--tf-n", type=int, default=50)
+    r.add_argument("--tf-n", type=int, default=40)
+    r.add_argument("--curve-n", type=int, default=40)
     r.add_argument("--sweep-n", type=int, default=50)
     r.add_argument("--sample-n", type=int, default=100)
     r.add_argument("--concurrency", type=int, default=64)
@@ -738,6 +890,11 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if hasattr(a, "sweep"):
         a.sweep = [int(x) for x in a.sweep.split(",") if x]
+        a.curve = [int(x) for x in a.curve.split(",") if x]
+        a.curve_policies = [x for x in a.curve_policies.split(",") if x]
+        unknown = set(a.curve_policies) - set(POLICIES[1:])
+        if unknown:
+            ap.error(f"--curve-policies: unknown {sorted(unknown)}; choose from {POLICIES[1:]}")
     return a
 
 
@@ -755,7 +912,8 @@ def run_stages(h: Harness) -> dict:
     """The `run` command on a Harness (whose server, if started, stays up: call h.close())."""
     a, out = h.a, h.out
     sizes = [int(x.partition(":")[2]) for x in a.stages.split(",") if x.partition(":")[2]]
-    export_gsm8k(load_problems(a.task, max([a.n, a.tf_n, a.sweep_n, a.sample_n, *sizes]), a.seed),
+    export_gsm8k(load_problems(a.task, max([a.n, a.tf_n, a.curve_n, a.sweep_n, a.sample_n,
+                                            *sizes]), a.seed),
                  out / f"{a.task}.gsm8k.jsonl")
     (out / "config.json").write_text(json.dumps({**vars(a), "serving": h.mode}, indent=1))
     print(f"mode: {h.mode}; records: {out / 'records.jsonl'}; server log: {out / 'server.log'}",

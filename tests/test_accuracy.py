@@ -20,7 +20,8 @@ pytest.importorskip("reasoning_gym")
 
 BUDGET, WINDOW, MAX_NEW = 16, 4, 40
 ARGS = ["--budget", str(BUDGET), "--window", str(WINDOW), "--max-new-tokens", str(MAX_NEW),
-        "--sweep", "12,16", "--max-total-tokens", "8192", "--concurrency", "16",
+        "--sweep", "12,16", "--curve", "8,12,16", "--curve-policies", "vase-attnv,snapkv",
+        "--max-total-tokens", "8192", "--concurrency", "16", "--threads", "1",
         "--boot-iters", "200"]
 
 
@@ -36,6 +37,20 @@ def test_stats_known_values():
     assert st.first_divergence([1, 2], [1, 2, 3]) == 2
     d, lo, hi = st.paired_bootstrap([1, 1, 1, 0], [0, 0, 1, 0], iters=500)
     assert d == 0.5 and lo <= d <= hi
+
+
+def test_cluster_bootstrap_pools_tokens_and_resamples_problems():
+    # pooled mean over tokens (not the mean of per-problem means): (1 + 9) / (1 + 3)
+    m, lo, hi = st.cluster_bootstrap([1.0, 9.0], [1, 3], iters=2000)
+    assert m == 2.5 and 1.0 <= lo <= m <= hi <= 3.0
+    # identical problems: every resample has the same pooled mean
+    assert st.cluster_bootstrap([2.0] * 5, [4] * 5, iters=200) == (0.5, 0.5, 0.5)
+    # a difference every problem shows is significant; one that flips sign is not
+    d, lo, hi, p = st.paired_cluster_bootstrap([3.0] * 20, [1.0] * 20, [2] * 20, iters=2000)
+    assert (d, lo, hi, p) == (1.0, 1.0, 1.0, 0.0)
+    d, lo, hi, p = st.paired_cluster_bootstrap([1.0, 0.0] * 10, [0.0, 1.0] * 10, [1] * 20,
+                                               iters=2000)
+    assert d == 0.0 and lo < 0 < hi and p > 0.5
 
 
 def test_coarse_kl_is_exact_on_the_whole_vocabulary_and_a_lower_bound_on_top_k():
@@ -64,7 +79,8 @@ def test_answer_extraction_and_export(tmp_path):
 def test_harness_end_to_end_with_resume(tiny_model_fp32, tmp_path):
     out = tmp_path / "acc"
     a = acc.parse_args(["run", "--model-path", tiny_model_fp32, "--out", str(out), "--n", "2",
-                        "--tf-n", "2", "--sweep-n", "1", "--sample-n", "1", *ARGS])
+                        "--tf-n", "2", "--curve-n", "1", "--sweep-n", "1", "--sample-n", "1",
+                        "--stages", "greedy,tf,curve,sweep,sample", *ARGS])
     h = acc.Harness(a)
     try:
         acc.run_stages(h)
@@ -80,12 +96,13 @@ def _check_and_resume(h, a, out):
     records = out / "records.jsonl"
     rows = [json.loads(x) for x in records.read_text().splitlines()]
     arms = {r["arm"] for r in rows}
-    # greedy: 8 policies + the value_slots=0 ablation; tf: the same 9; sweep: budget 12 for the
-    # 7 evicting policies + ablation; sampling: 8 policies
+    # greedy: 8 policies + the value_slots=0 ablation; tf: the same 9; curve: budgets 8 and 12
+    # for 2 policies (16 is tf's); sweep: budget 12 for the 7 evicting policies + ablation;
+    # sampling: 8 policies
     assert len([x for x in arms if x.endswith(":greedy")]) == 9 + 8
-    assert len([x for x in arms if x.endswith(":tf")]) == 9
+    assert len([x for x in arms if x.endswith(":tf")]) == 9 + 4
     assert len([x for x in arms if x.endswith(":sample")]) == 8
-    assert len(rows) == 9 * 2 + 9 * 2 + 8 * 1 + 8 * 1
+    assert len(rows) == 9 * 2 + 9 * 2 + 4 * 1 + 8 * 1 + 8 * 1
 
     full = {r["pid"]: r for r in rows if r["arm"] == "full:greedy"}
     long_evicting = 0
@@ -120,8 +137,25 @@ def _check_and_resume(h, a, out):
     summary = json.loads((out / "summary.json").read_text())
     g = summary["generation"]["vase-attnv@16/w4:greedy"]
     assert g["n"] == 2 and "mcnemar_p" in g["vs_full"] and "same_answer" in g["vs_full"]
-    assert "kl_after_first_eviction" in summary["teacher_forced"]["vase-attnv@16/w4:greedy:tf"]
-    for png in ("accuracy.png", "fidelity.png"):
+    tfs = summary["teacher_forced"]
+    vase, snap = tfs["vase-attnv@16/w4:greedy:tf"], tfs["snapkv@16/w4:greedy:tf"]
+    for s in (vase, snap):
+        lo, hi = s["kl_boot95_after_first_eviction"]
+        assert lo <= s["kl_after_first_eviction"] <= hi
+    # the paired difference is taken on the same forced tokens of the same problems, so its
+    # point estimate is the difference of the two pooled means
+    pair = summary["teacher_forced_pairs"]["vase-attnv vs snapkv @T=16"]
+    assert pair["n_paired"] == 2
+    for metric in ("kl", "nll_excess", "top1_agree"):
+        want = vase[f"{metric}_after_first_eviction"] - snap[f"{metric}_after_first_eviction"]
+        got = pair["top1" if metric == "top1_agree" else metric]["diff"]
+        assert math.isclose(got, want, abs_tol=1e-9), metric
+    assert "vase-attnv vs vase-attnv nv=0 @T=16" in summary["teacher_forced_pairs"]
+    assert "vase-attnv vs snapkv @T=8" in summary["teacher_forced_pairs"]
+    # the curve: a smaller budget compresses the generated tokens' cache more
+    comp = [tfs[f"vase-attnv@{b}/w4:greedy:tf"]["compression"] for b in (8, 12, 16)]
+    assert comp[0] > comp[1] > comp[2] > 1, comp
+    for png in ("accuracy.png", "fidelity.png", "budget_curve.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert (out / "gsm_symbolic.gsm8k.jsonl").exists()
 
