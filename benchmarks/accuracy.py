@@ -79,7 +79,8 @@ def gsm8k_answer(cot: str, answer: str) -> str:
     lines = cot.strip().splitlines()
     if lines and lines[-1].lstrip().startswith("####"):
         stated = lines.pop().lstrip()[4:].strip()
-        if stated.replace(",", "") != answer.replace(",", ""):
+        # the same number written differently ("51.0" for 51) is not a disagreement
+        if not _answers.answers_equal(stated.replace(",", ""), answer.replace(",", "")):
             raise ValueError(f"chain of thought ends with '#### {stated}', answer is {answer!r}")
     body = "\n".join(lines).strip()
     return (body + "\n" if body else "") + "#### " + answer

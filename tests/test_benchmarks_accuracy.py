@@ -22,6 +22,8 @@ def test_gsm8k_answer_has_one_final_line():
     assert acc.gsm8k_answer(cot, "9") == "She bakes 63 / 7 = 9 sheets.\n#### 9"
     assert acc.gsm8k_answer("", "-698") == "#### -698"  # chain_sum has no chain
     assert acc.gsm8k_answer("a = 2\nb = 3", "5") == "a = 2\nb = 3\n#### 5"
+    # reasoning-gym writes some final lines as floats (gsm_symbolic seed 123, problem 25: '#### 51.0')
+    assert acc.gsm8k_answer("x = 51\n#### 51.0", "51") == "x = 51\n#### 51"
     with pytest.raises(ValueError, match="#### 8"):
         acc.gsm8k_answer("x\n#### 8", "9")  # a chain that contradicts its answer
 
