@@ -508,8 +508,45 @@ def _recorded_evictions(recs: dict) -> list:
 # ----------------------------------------------------------------------------- report
 
 
+COMPACT = "records.jsonl.gz"
+
+
+def compact_row(row: dict) -> dict:
+    """What the report reads, small enough to commit: the full cache's top-k reference of the
+    teacher-forced rows (needed only while the policies are replayed) is dropped, and per-token
+    floats are rounded to 5 decimals."""
+    out = {k: v for k, v in row.items() if k not in ("ref_ids", "ref_lp")}
+    for k in ("nll", "kl"):
+        if k in out:
+            out[k] = [round(x, 5) for x in out[k]]
+    return out
+
+
+def write_compact(out: Path) -> Path:
+    import gzip
+
+    rows = Records(out / "records.jsonl").rows.values()
+    path = out / COMPACT
+    with gzip.open(path, "wt") as f:
+        for row in sorted(rows, key=lambda r: r["key"]):
+            f.write(json.dumps(compact_row(row)) + "\n")
+    return path
+
+
+def load_rows(out: Path) -> list[dict]:
+    """The run's records; where only the compact copy exists (a committed result), that."""
+    if (out / "records.jsonl").exists():
+        return list(Records(out / "records.jsonl").rows.values())
+    if (out / COMPACT).exists():
+        import gzip
+
+        with gzip.open(out / COMPACT, "rt") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    raise FileNotFoundError(f"no records.jsonl or {COMPACT} in {out}")
+
+
 def summarize(out: Path, boot_iters: int = 10000) -> dict:
-    rows = list(Records(out / "records.jsonl").rows.values())
+    rows = load_rows(out)
     by_arm: dict[str, dict[str, dict]] = defaultdict(dict)
     fields: dict[str, dict] = {}
     for r in rows:
@@ -794,6 +831,8 @@ def markdown(summary: dict) -> str:
 
 def report(out: Path, boot_iters: int = 10000) -> dict:
     summary = summarize(out, boot_iters)
+    if (out / "records.jsonl").exists():
+        write_compact(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(markdown(summary))
     plot(summary, out)

@@ -90,6 +90,29 @@ def test_harness_end_to_end_with_resume(tiny_model_fp32, tmp_path):
     # the CLI rebuilds the report from the records alone
     assert acc.main(["report", "--out", str(out), "--boot-iters", "100"]) == 0
     assert (out / "summary.md").read_text().count(":greedy") >= 9
+    # ...and from the compact copy alone (what is committed): the same summary up to rounding
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    for name in (acc.COMPACT, "config.json"):
+        (committed / name).write_bytes((out / name).read_bytes())
+    assert acc.main(["report", "--out", str(committed), "--boot-iters", "100"]) == 0
+    _assert_close(json.loads((committed / "summary.json").read_text()),
+                  json.loads((out / "summary.json").read_text()))
+
+
+def _assert_close(a, b, path="summary"):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert math.isclose(a, b, abs_tol=1e-4) or (math.isnan(a) and math.isnan(b)), path
+    else:
+        assert a == b, path
 
 
 def _check_and_resume(h, a, out):
