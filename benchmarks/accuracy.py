@@ -265,8 +265,7 @@ class Harness:
     def server_flags(self, arms: list[Arm]) -> list[str]:
         if self.mode == "per-request":
             # one server for every stage: its window bounds the per-request windows
-            window = max([window_for(b) for b in self.a.sweep + getattr(self.a, "curve", [])]
-                         + [self.a.window])
+            window = max([window_for(b) for b in self.a.sweep + self.a.curve] + [self.a.window])
             return ["--kv-evict-policy", QUERY_POLICY, "--kv-evict-budget", str(self.a.budget),
                     "--kv-evict-window", str(window), "--kv-evict-seed", str(self.a.seed)]
         (setting,) = {x.setting for x in arms}
@@ -522,10 +521,9 @@ def compact_row(row: dict) -> dict:
     return out
 
 
-def write_compact(out: Path) -> Path:
+def write_compact(out: Path, rows: list[dict]) -> Path:
     import gzip
 
-    rows = Records(out / "records.jsonl").rows.values()
     path = out / COMPACT
     with gzip.open(path, "wt") as f:
         for row in sorted(rows, key=lambda r: r["key"]):
@@ -545,8 +543,7 @@ def load_rows(out: Path) -> list[dict]:
     raise FileNotFoundError(f"no records.jsonl or {COMPACT} in {out}")
 
 
-def summarize(out: Path, boot_iters: int = 10000) -> dict:
-    rows = load_rows(out)
+def summarize(rows: list[dict], boot_iters: int = 10000) -> dict:
     by_arm: dict[str, dict[str, dict]] = defaultdict(dict)
     fields: dict[str, dict] = {}
     for r in rows:
@@ -609,13 +606,14 @@ def summarize(out: Path, boot_iters: int = 10000) -> dict:
              "top1_agree_after_first_eviction": st.mean(agree)}
         if arm.evicts:
             common = sorted(set(recs) & set(tf_full))
-            per = tf_sums(recs, tf_full, common, start)
-            sums[name] = {"pids": common, **per}
+            sums[name] = per = tf_sums(recs, tf_full, common, start)
             s["n_paired"] = len(common)
-            for metric in ("kl", "nll_excess", "top1"):
-                m, lo, hi = st.cluster_bootstrap(per[metric], per["count"], boot_iters)
-                s[TF_METRICS[metric]] = m
-                s[TF_METRICS[metric].replace("_after", "_boot95_after")] = [lo, hi]
+            counts = [per[p]["count"] for p in common]
+            for metric in TF_METRICS:
+                m, lo, hi = st.cluster_bootstrap([per[p][metric] for p in common], counts,
+                                                 boot_iters)
+                s[f"{metric}_after_first_eviction"] = m
+                s[f"{metric}_boot95_after_first_eviction"] = [lo, hi]
             kl = [x for r in recs.values() for x in r["kl"][start:]]
             s["kl_p90_after_first_eviction"] = sorted(kl)[int(0.9 * len(kl))] if kl else None
             s["kl_note"] = f"KL(full || policy) on the full cache's top-{TF_K} ids + the rest: a lower bound"
@@ -626,9 +624,8 @@ def summarize(out: Path, boot_iters: int = 10000) -> dict:
     return summary
 
 
-# per-token teacher-forced metrics -> summary keys (tokens after the first eviction)
-TF_METRICS = {"kl": "kl_after_first_eviction", "nll_excess": "nll_excess_after_first_eviction",
-              "top1": "top1_agree_after_first_eviction"}
+# per-token teacher-forced metrics, summarised over the tokens after the first eviction
+TF_METRICS = ("kl", "nll_excess", "top1_agree")
 # (reference arm, what it is compared with): VaSE-AttnV against each other policy at the same
 # budget, and against itself without its value slots
 PAIR_REFERENCE = "vase-attnv"
@@ -637,13 +634,12 @@ PAIR_REFERENCE = "vase-attnv"
 def tf_sums(recs: dict, tf_full: dict, pids: list, start: int) -> dict:
     """Per problem: sums of KL, NLL excess over the full cache's replay (same tokens) and top-1
     agreement over the tokens after the first eviction, and their count."""
-    out = {"kl": [], "nll_excess": [], "top1": [], "count": []}
+    out = {}
     for p in pids:
         r, f = recs[p], tf_full[p]
-        out["kl"].append(sum(r["kl"][start:]))
-        out["nll_excess"].append(sum(r["nll"][start:]) - sum(f["nll"][start:]))
-        out["top1"].append(sum(r["top1_agree"][start:]))
-        out["count"].append(len(r["nll"][start:]))
+        out[p] = {"kl": sum(r["kl"][start:]),
+                  "nll_excess": sum(r["nll"][start:]) - sum(f["nll"][start:]),
+                  "top1_agree": sum(r["top1_agree"][start:]), "count": len(r["nll"][start:])}
     return out
 
 
@@ -672,16 +668,14 @@ def tf_pairs(fields: dict, sums: dict, boot_iters: int) -> dict:
             b = Arm(**fields[name])
             if name == ref_name or (b.budget, b.window) != (a.budget, a.window):
                 continue
-            pids = sorted(set(ref["pids"]) & set(other["pids"]))
-            ia = [ref["pids"].index(p) for p in pids]
-            ib = [other["pids"].index(p) for p in pids]
-            counts = [ref["count"][i] for i in ia]
-            assert counts == [other["count"][i] for i in ib]  # same forced tokens
+            pids = sorted(set(ref) & set(other))
+            counts = [ref[p]["count"] for p in pids]
+            assert counts == [other[p]["count"] for p in pids]  # same forced tokens
             row = {"reference": a.label, "other": b.label, "budget": a.budget,
                    "window": a.window, "n_paired": len(pids)}
-            for metric in ("kl", "nll_excess", "top1"):
+            for metric in TF_METRICS:
                 d, lo, hi, p = st.paired_cluster_bootstrap(
-                    [ref[metric][i] for i in ia], [other[metric][i] for i in ib], counts,
+                    [ref[q][metric] for q in pids], [other[q][metric] for q in pids], counts,
                     boot_iters)
                 row[metric] = {"diff": d, "boot95": [lo, hi], "p": p,
                                "significant": bool(lo > 0 or hi < 0)}
@@ -819,7 +813,7 @@ def markdown(summary: dict) -> str:
                   "ΔNLL excess [boot 95%] | p | Δtop-1 [boot 95%] | p |", "|---" * 8 + "|"]
         for name, row in summary["teacher_forced_pairs"].items():
             cells = []
-            for metric in ("kl", "nll_excess", "top1"):
+            for metric in TF_METRICS:
                 m = row[metric]
                 star = " *" if m["significant"] else ""
                 cells.append(f"{m['diff']:+.4f} [{m['boot95'][0]:+.4f}, {m['boot95'][1]:+.4f}]"
@@ -830,9 +824,10 @@ def markdown(summary: dict) -> str:
 
 
 def report(out: Path, boot_iters: int = 10000) -> dict:
-    summary = summarize(out, boot_iters)
+    rows = load_rows(out)
     if (out / "records.jsonl").exists():
-        write_compact(out)
+        write_compact(out, rows)
+    summary = summarize(rows, boot_iters)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(markdown(summary))
     plot(summary, out)

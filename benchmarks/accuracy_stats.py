@@ -82,17 +82,8 @@ def cluster_bootstrap(sums: list[float], counts: list[int], iters: int = 10000, 
     """Pooled mean sum(sums) / sum(counts) of a per-token metric, and a percentile bootstrap CI
     that resamples problems (clusters), not tokens: tokens of one generation are correlated, so
     a token-level bootstrap would give intervals far too narrow."""
-    import numpy as np
-
-    s, c = np.asarray(sums, dtype=float), np.asarray(counts, dtype=float)
-    if len(s) == 0 or c.sum() == 0:
-        return (float("nan"),) * 3
-    idx = np.random.default_rng(seed).integers(0, len(s), size=(iters, len(s)))
-    num, den = s[idx].sum(1), c[idx].sum(1)
-    means = np.sort(num[den > 0] / den[den > 0])
-    k = len(means)
-    return (float(s.sum() / c.sum()), float(means[int((1 - level) / 2 * k)]),
-            float(means[min(k - 1, int((1 + level) / 2 * k))]))
+    m, lo, hi, _ = paired_cluster_bootstrap(sums, [0.0] * len(sums), counts, iters, seed, level)
+    return m, lo, hi
 
 
 def paired_cluster_bootstrap(sums_a: list[float], sums_b: list[float], counts: list[int],
