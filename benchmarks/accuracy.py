@@ -124,6 +124,7 @@ class Arm:
     value_slots: int | None = None
     decoding: str = "greedy"  # or "sample"
     kind: str = "gen"  # or "tf" (teacher-forced replay of the full greedy output)
+    gates: str = ""  # trimkv: short hash of the retention gates file (records of other gates differ)
 
     @property
     def evicts(self) -> bool:
@@ -135,7 +136,8 @@ class Arm:
         if not self.evicts:
             return "full"
         nv = "" if self.value_slots is None else f"/nv{self.value_slots}"
-        return f"{self.policy}@{self.budget}/w{self.window}{nv}"
+        gates = f"/g{self.gates}" if self.gates else ""
+        return f"{self.policy}@{self.budget}/w{self.window}{nv}{gates}"
 
     @property
     def name(self) -> str:
@@ -167,14 +169,32 @@ def window_for(budget: int) -> int:
     return max(4, budget // 4)
 
 
+def gates_id(path) -> str:
+    """Short content hash of a retention gates file: names the trimkv arms it serves."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:8]
+
+
+def retention_arms(a, budget: int, window: int) -> list[Arm]:
+    """With --retention-gates: plain TRIM-KV and the VaSE hybrid (the N_v = T/4 largest value
+    ranges forced first, as vase-attnv's default) at this budget; none without gates."""
+    if not getattr(a, "retention_gates", None):
+        return []
+    g = gates_id(a.retention_gates)
+    return [Arm("trimkv", budget, window, gates=g),
+            Arm("trimkv", budget, window, value_slots=budget // 4, gates=g)]
+
+
 def stage_arms(stage: str, a) -> list[Arm]:
     main = [Arm("full")] + [Arm(p, a.budget, a.window) for p in POLICIES[1:]]
     ablation = Arm("vase-attnv", a.budget, a.window, value_slots=0)
+    learned = retention_arms(a, a.budget, a.window)
     if stage == "greedy":
-        return main + [ablation]
+        return main + [ablation] + learned
     if stage == "tf":
-        return [Arm(x.policy, x.budget, x.window, x.value_slots, kind="tf")
-                for x in main + [ablation]]
+        return [Arm(x.policy, x.budget, x.window, x.value_slots, kind="tf", gates=x.gates)
+                for x in main + [ablation] + learned]
     if stage == "sweep":
         arms = []
         for b in a.sweep:
@@ -187,8 +207,16 @@ def stage_arms(stage: str, a) -> list[Arm]:
         return [Arm(x.policy, x.budget, x.window, x.value_slots, decoding="sample")
                 for x in main]
     if stage == "curve":  # teacher-forced budget curve; the main budget's arms are tf's own
-        return [Arm(p, b, a.window if b == a.budget else window_for(b), kind="tf")
-                for b in a.curve for p in a.curve_policies]
+        arms = []
+        for b in a.curve:
+            w = a.window if b == a.budget else window_for(b)
+            for p in a.curve_policies:
+                if p == "trimkv":
+                    arms += [Arm(x.policy, b, w, x.value_slots, kind="tf", gates=x.gates)
+                             for x in retention_arms(a, b, w)[:1]]
+                else:
+                    arms.append(Arm(p, b, w, kind="tf"))
+        return arms
     raise ValueError(f"--stages: unknown stage {stage!r}; use greedy, tf, curve, sweep, sample")
 
 
@@ -266,10 +294,19 @@ class Harness:
         if self.mode == "per-request":
             # one server for every stage: its window bounds the per-request windows
             window = max([window_for(b) for b in self.a.sweep + self.a.curve] + [self.a.window])
-            return ["--kv-evict-policy", QUERY_POLICY, "--kv-evict-budget", str(self.a.budget),
-                    "--kv-evict-window", str(window), "--kv-evict-seed", str(self.a.seed)]
+            return (["--kv-evict-policy", QUERY_POLICY, "--kv-evict-budget", str(self.a.budget),
+                     "--kv-evict-window", str(window), "--kv-evict-seed", str(self.a.seed)]
+                    + self.gates_flags())
         (setting,) = {x.setting for x in arms}
-        return arms[0].flags() + (["--kv-evict-seed", str(self.a.seed)] if arms[0].evicts else [])
+        if not arms[0].evicts:
+            return []
+        return (arms[0].flags() + ["--kv-evict-seed", str(self.a.seed)]
+                + (self.gates_flags() if arms[0].policy == "trimkv" else []))
+
+    def gates_flags(self) -> list[str]:
+        # the gate runs for every token of every request; the other arms' outputs do not change
+        g = getattr(self.a, "retention_gates", None)
+        return ["--kv-evict-retention-gates", str(Path(g).resolve())] if g else []
 
     def start_server(self, arms: list[Arm]) -> BenchServer:
         flags = (self.server_flags(arms) + ["--random-seed", str(self.a.seed),
@@ -892,7 +929,12 @@ def parse_args(argv=None):
         p.add_argument("--sweep", default="32,64,128,192", help="budgets of the sweep stage")
         p.add_argument("--curve", default="32,48,64,96,128,192",
                        help="budgets of the teacher-forced budget curve (window = budget/4)")
-        p.add_argument("--curve-policies", default="vase-attnv,snapkv,random")
+        p.add_argument("--curve-policies", default="vase-attnv,snapkv,random",
+                       help="policies of the curve stage (trimkv needs --retention-gates)")
+        p.add_argument("--retention-gates", default=None, metavar="PATH",
+                       help="retention gates (python -m vase_sglang.retention train): the server "
+                            "loads them, and greedy and tf gain the arms trimkv and the hybrid "
+                            "trimkv with value_slots = budget/4")
 
     r = sub.add_parser("run")
     common(r)
@@ -927,9 +969,14 @@ def parse_args(argv=None):
         a.sweep = [int(x) for x in a.sweep.split(",") if x]
         a.curve = [int(x) for x in a.curve.split(",") if x]
         a.curve_policies = [x for x in a.curve_policies.split(",") if x]
-        unknown = set(a.curve_policies) - set(POLICIES[1:])
+        unknown = set(a.curve_policies) - set(POLICIES[1:] + ["trimkv"])
         if unknown:
-            ap.error(f"--curve-policies: unknown {sorted(unknown)}; choose from {POLICIES[1:]}")
+            ap.error(f"--curve-policies: unknown {sorted(unknown)}; choose from "
+                     f"{POLICIES[1:] + ['trimkv']}")
+        if "trimkv" in a.curve_policies and not a.retention_gates:
+            ap.error("--curve-policies: trimkv needs --retention-gates")
+        if a.retention_gates and not Path(a.retention_gates).is_file():
+            ap.error(f"--retention-gates: no such file: {a.retention_gates}")
     return a
 
 
@@ -950,7 +997,10 @@ def run_stages(h: Harness) -> dict:
     export_gsm8k(load_problems(a.task, max([a.n, a.tf_n, a.curve_n, a.sweep_n, a.sample_n,
                                             *sizes]), a.seed),
                  out / f"{a.task}.gsm8k.jsonl")
-    (out / "config.json").write_text(json.dumps({**vars(a), "serving": h.mode}, indent=1))
+    cfg = {**vars(a), "serving": h.mode}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    with open(out / "runs.jsonl", "a") as f:  # config.json is the latest run; this is every run
+        f.write(json.dumps({"started": time.strftime("%Y-%m-%d %H:%M:%S"), **cfg}) + "\n")
     print(f"mode: {h.mode}; records: {out / 'records.jsonl'}; server log: {out / 'server.log'}",
           file=sys.stderr)
     summary = {}

@@ -76,11 +76,12 @@ def test_answer_extraction_and_export(tmp_path):
     assert [r["answer"].rsplit("#### ", 1)[1] for r in rows] == [p["answer"] for p in probs]
 
 
-def test_harness_end_to_end_with_resume(tiny_model_fp32, tmp_path):
+def test_harness_end_to_end_with_resume(tiny_model_fp32, trimkv_gates_file, tmp_path):
     out = tmp_path / "acc"
     a = acc.parse_args(["run", "--model-path", tiny_model_fp32, "--out", str(out), "--n", "2",
                         "--tf-n", "2", "--curve-n", "1", "--sweep-n", "1", "--sample-n", "1",
-                        "--stages", "greedy,tf,curve,sweep,sample", *ARGS])
+                        "--stages", "greedy,tf,curve,sweep,sample",
+                        "--retention-gates", str(trimkv_gates_file), *ARGS])
     h = acc.Harness(a)
     try:
         acc.run_stages(h)
@@ -119,20 +120,22 @@ def _check_and_resume(h, a, out):
     records = out / "records.jsonl"
     rows = [json.loads(x) for x in records.read_text().splitlines()]
     arms = {r["arm"] for r in rows}
-    # greedy: 8 policies + the value_slots=0 ablation; tf: the same 9; curve: budgets 8 and 12
-    # for 2 policies (16 is tf's); sweep: budget 12 for the 7 evicting policies + ablation;
-    # sampling: 8 policies
-    assert len([x for x in arms if x.endswith(":greedy")]) == 9 + 8
-    assert len([x for x in arms if x.endswith(":tf")]) == 9 + 4
+    # greedy: 8 policies + the value_slots=0 ablation + trimkv and its hybrid (the gates);
+    # tf: the same 11; curve: budgets 8 and 12 for 2 policies (16 is tf's); sweep: budget 12
+    # for the 7 evicting policies + ablation; sampling: 8 policies
+    assert len([x for x in arms if x.endswith(":greedy")]) == 11 + 8
+    assert len([x for x in arms if x.endswith(":tf")]) == 11 + 4
     assert len([x for x in arms if x.endswith(":sample")]) == 8
-    assert len(rows) == 9 * 2 + 9 * 2 + 4 * 1 + 8 * 1 + 8 * 1
+    assert len(rows) == 11 * 2 + 11 * 2 + 4 * 1 + 8 * 1 + 8 * 1
+    gid = acc.gates_id(a.retention_gates)
+    assert {f"trimkv@16/w4/g{gid}:greedy", f"trimkv@16/w4/nv4/g{gid}:greedy:tf"} <= arms
 
     full = {r["pid"]: r for r in rows if r["arm"] == "full:greedy"}
     long_evicting = 0
     for r in rows:
         if r["arm"].endswith(":greedy") and r["arm"] != "full:greedy":
             # the per-request setting reached the scheduler: long outputs were evicted...
-            if r["n_tokens"] > BUDGET + WINDOW + 1 and r["arm"].startswith(("vase", "snap", "rkv")) \
+            if r["n_tokens"] > BUDGET + WINDOW + 1 and r["arm"].startswith(("vase", "snap", "rkv", "trimkv")) \
                     and "@16/" in r["arm"]:
                 assert r["kv_evicted"] > 0, r["arm"]
                 long_evicting += 1
@@ -174,6 +177,8 @@ def _check_and_resume(h, a, out):
         got = pair[metric]["diff"]
         assert math.isclose(got, want, abs_tol=1e-9), metric
     assert "vase-attnv vs vase-attnv nv=0 @T=16" in summary["teacher_forced_pairs"]
+    assert {"vase-attnv vs trimkv @T=16", "vase-attnv vs trimkv nv=4 @T=16"} <= set(
+        summary["teacher_forced_pairs"])
     assert "vase-attnv vs snapkv @T=8" in summary["teacher_forced_pairs"]
     # the curve: a smaller budget compresses the generated tokens' cache more
     comp = [tfs[f"vase-attnv@{b}/w4:greedy:tf"]["compression"] for b in (8, 12, 16)]

@@ -65,3 +65,32 @@ def test_no_private_answer_extractor():
     assert proc.returncode != 0 and "vase_sglang.answers" in proc.stderr, proc.stderr[-2000:]
     assert acc.PROMPT == "{q}\n" + acc._answers.ANSWER_INSTRUCTION
     assert acc.extract_answer("so 3 + 4 = 7.\nFinal answer: 7") == "7"
+
+
+def test_retention_gates_option(tmp_path):
+    """--retention-gates adds trimkv and its hybrid, named by the gates file's content, and the
+    server gets the file; without gates, trimkv cannot be asked for."""
+    base = ["run", "--model-path", "M", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        acc.parse_args(base + ["--curve-policies", "vase-attnv,trimkv"])
+    with pytest.raises(SystemExit):
+        acc.parse_args(base + ["--retention-gates", str(tmp_path / "missing.safetensors")])
+    assert not [x for x in acc.stage_arms("tf", acc.parse_args(base)) if x.policy == "trimkv"]
+
+    gates = tmp_path / "g.safetensors"
+    gates.write_bytes(b"one")
+    a = acc.parse_args(base + ["--retention-gates", str(gates), "--curve", "32,64",
+                               "--curve-policies", "snapkv,trimkv"])
+    gid = acc.gates_id(gates)
+    learned = [x for x in acc.stage_arms("tf", a) if x.policy == "trimkv"]
+    assert [(x.setting, x.kind) for x in learned] == [
+        (f"trimkv@64/w16/g{gid}", "tf"), (f"trimkv@64/w16/nv16/g{gid}", "tf")]
+    assert [x.setting for x in acc.stage_arms("curve", a) if x.policy == "trimkv"] == [
+        f"trimkv@32/w8/g{gid}", f"trimkv@64/w16/g{gid}"]
+    flags = acc.Harness.server_flags(type("H", (), {"a": a, "mode": "per-request",
+                                                     "gates_flags": acc.Harness.gates_flags})(),
+                                     learned)
+    assert flags[flags.index("--kv-evict-retention-gates") + 1] == str(gates.resolve())
+    # other gates, other records
+    gates.write_bytes(b"two")
+    assert acc.gates_id(gates) != gid
