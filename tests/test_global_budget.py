@@ -1,0 +1,127 @@
+"""benchmarks/global_budget.py: the masked-cache emulation of per-head and global retention
+budgets. Its per-head row must be the served trimkv (= ReferenceDecoder with the same gates),
+its global row must hold the same memory and differ, and a floor of K must give per-head."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+
+from benchmarks import global_budget as gb  # noqa: E402
+from tests.servers import trimkv_gates  # noqa: E402
+from vase_sglang.config import EvictionConfig  # noqa: E402
+from vase_sglang.hf_reference import ReferenceDecoder  # noqa: E402
+
+BUDGET, WINDOW = 16, 4
+
+
+@pytest.fixture(scope="module")
+def case(tiny_model_fp32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32)
+    gates = trimkv_gates(model.config)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, vocab, (11,), generator=gen).tolist()
+    forced = torch.randint(0, vocab, (70,), generator=gen).tolist()
+    run = gb.MaskedRetentionRun(model, gates, budget=BUDGET, window=WINDOW)
+    keep = BUDGET - WINDOW
+    modes = [("full", 0), ("per-head", 0), ("global", 0), ("global", keep)]
+    logp, counts = run.run(prompt, forced, modes)
+    picked = logp.gather(2, torch.tensor(forced)[None, :, None].expand(len(modes), -1, 1))[..., 0]
+    return {"path": tiny_model_fp32, "gates": gates, "prompt": prompt, "forced": forced,
+            "picked": picked, "counts": counts, "logp": logp}
+
+
+def _reference(case, policy):
+    cfg = EvictionConfig(policy=policy, budget=BUDGET, window=WINDOW)
+    dec = ReferenceDecoder.from_pretrained(case["path"], cfg,
+                                           gates=case["gates"] if policy == "trimkv" else None)
+    return torch.tensor(dec.run(case["prompt"], forced_ids=case["forced"])["logprobs"])
+
+
+def test_schedule_is_the_served_one():
+    # prefill; the private cache reaches T + R = 20 after step 20; then every R = 4 steps;
+    # no eviction after the last step
+    groups = gb.schedule(30, BUDGET, WINDOW)
+    assert groups[0] == [0] and groups[1] == list(range(1, 21))
+    assert [g[0] for g in groups[2:]] == [21, 25, 29]
+    assert sum(groups, []) == list(range(30))
+    assert gb.schedule(21, BUDGET, WINDOW) == [[0], list(range(1, 21))]
+
+
+def test_per_head_row_is_the_reference_trimkv(case):
+    ref = _reference(case, "trimkv")
+    assert (case["picked"][1] - ref).abs().max() < 1e-4
+    # ...and the full row is the full cache
+    full = _reference(case, "full")
+    assert (case["picked"][0] - full).abs().max() < 1e-4
+    # negative control: eviction changed the distribution after the first eviction
+    assert (ref - full)[BUDGET + WINDOW:].abs().max() > 1e-3
+
+
+def test_global_budget_same_memory_different_heads(case):
+    keep = BUDGET - WINDOW
+    assert len(case["counts"]) >= 10
+    for per_eviction in case["counts"]:
+        per_head, glob, floored = per_eviction[1:]
+        assert (per_head == keep).all()
+        # the same total (also asserted inside every eviction), spread unequally
+        assert int(glob.sum()) == int(per_head.sum())
+        assert (floored == keep).all()
+    assert any(int(c[2].max()) > keep for c in case["counts"])
+    # a floor of K is per-head; no floor changes what the model sees
+    assert (case["logp"][3] - case["logp"][1]).abs().max() < 1e-5
+    assert (case["picked"][2] - case["picked"][1]).abs().max() > 1e-3
+
+
+def test_keep_mask_global_floor_and_candidates():
+    scores = torch.tensor([[[5.0, 4.0, 3.0, float("-inf")], [1.0, 0.5, 0.2, 0.1]]])  # [1, 2, 4]
+    assert gb.keep_mask(scores, 2, "per-head").tolist() == [[[True, True, False, False],
+                                                              [True, True, False, False]]]
+    assert gb.keep_mask(scores, 2, "global").tolist() == [[[True, True, True, False],
+                                                           [True, False, False, False]]]
+    assert gb.keep_mask(scores, 2, "global", floor=2).tolist() == gb.keep_mask(
+        scores, 2, "per-head").tolist()
+
+
+def test_cli_on_harness_records(tiny_model_fp32, trimkv_gates_file, tmp_path):
+    """From an accuracy run's records (its full-cache greedy outputs) to summary.json, the
+    markdown table and the PNG; a rerun resumes from records.jsonl."""
+    import json
+
+    from benchmarks import accuracy as acc
+
+    pytest.importorskip("reasoning_gym")
+    records = tmp_path / "acc"
+    records.mkdir()
+    gen = torch.Generator().manual_seed(5)
+    with open(records / "records.jsonl", "w") as f:
+        for prob in acc.load_problems("gsm_symbolic", 2, 123):
+            ids = torch.randint(0, 1000, (40,), generator=gen).tolist()
+            f.write(json.dumps({"key": acc.key(acc.Arm("full"), prob["pid"]), "arm": "full:greedy",
+                                "pid": prob["pid"], "output_ids": ids}) + "\n")
+    out = tmp_path / "gb"
+    args = ["--model-path", tiny_model_fp32, "--gates", str(trimkv_gates_file), "--records",
+            str(records), "--out", str(out), "--n", "2", "--budget", str(BUDGET), "--window",
+            str(WINDOW), "--threads", "1", "--boot-iters", "100"]
+    assert gb.main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["modes"]) == ["per-head", "global, floor 0", "global, floor 3"]
+    for s in summary["modes"].values():
+        assert s["n"] == 2 and s["tokens"] == 2 * (40 - BUDGET - WINDOW)
+        assert s["kl_boot95"][0] <= s["kl"] <= s["kl_boot95"][1] and s["kl"] > 0
+    assert summary["head_spread"]["per-head"] == {"min": 12.0, "median": 12.0, "max": 12.0}
+    assert set(summary["pairs"]) == {"global, floor 0 - per-head", "global, floor 3 - per-head"}
+    assert (out / "global_budget.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| per-head |" in (out / "summary.md").read_text()
+    before = (out / "records.jsonl").read_text()
+    assert gb.main(args) == 0  # resumed: nothing recomputed
+    assert (out / "records.jsonl").read_text() == before
