@@ -4,8 +4,6 @@
 attention over post-RoPE keys does not depend on their order, so greedy output must equal
 stock SGLang. It exercises the per-head gather and the row bookkeeping of the engine."""
 
-import torch
-
 from vase_sglang import Policy, register_policy
 
 
@@ -13,7 +11,6 @@ class PermutePolicy(Policy):
     ascending = False
 
     def select(self, keys, values, queries, draws, sinks, check=True):
-        n = keys.shape[-2]
         noise = draws.gumbel(keys.shape[-3:-1])  # [..., H, n], new every round
         return noise.argsort(dim=-1)
 
