@@ -10,22 +10,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from vase_sglang.ports import BIND_FAILURE, free_port  # noqa: F401  (free_port: used by routing.py)
+
 REPO = Path(__file__).resolve().parent.parent
 
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_process_group(proc: subprocess.Popen, grace: float) -> None:
@@ -59,19 +56,6 @@ class BenchServer:
     def __init__(self, model: str, args=(), *, log_path: str | Path, max_total_tokens: int = 65536,
                  max_running: int | None = 64, env: dict | None = None, timeout: float = 600.0,
                  threads: int = 1, teacher_forcing: bool = True):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
-               "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-total-tokens", str(max_total_tokens),
-               *([] if max_running is None else ["--max-running-requests", str(max_running)]),
-               # the teacher-forced mode sends a logit processor; the overlap scheduler is off
-               # so that the processor sees req.output_ids of the step it is forcing
-               *(["--enable-custom-logit-processor", "--disable-overlap-schedule"]
-                 if teacher_forcing else []),
-               *([] if on_cuda() else CPU_FLAGS), *map(str, args)]
         full_env = {k: v for k, v in os.environ.items()
                     if not k.startswith("VASE_KV_EVICT_") and k != "TRITON_INTERPRET"}
         # one thread per process: small models on CPU are far slower with OpenMP sync overhead
@@ -80,21 +64,46 @@ class BenchServer:
         full_env["PYTHONPATH"] = os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
         full_env.update(env or {})
-        self.cmd = cmd
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "a")
-        self._log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n")
-        self._log.flush()
-        self._start = self.log_path.stat().st_size
-        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=str(REPO))
+        for attempt in range(3):  # a new port if the HTTP port was taken meanwhile
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+                   "--host", "127.0.0.1", "--port", str(self.port),
+                   "--max-total-tokens", str(max_total_tokens),
+                   *([] if max_running is None else ["--max-running-requests", str(max_running)]),
+                   # the teacher-forced mode sends a logit processor; the overlap scheduler is
+                   # off so that the processor sees req.output_ids of the step it is forcing
+                   *(["--enable-custom-logit-processor", "--disable-overlap-schedule"]
+                     if teacher_forcing else []),
+                   *([] if on_cuda() else CPU_FLAGS), *map(str, args)]
+            self.cmd = cmd
+            self._log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n")
+            self._log.flush()
+            self._start = self.log_path.stat().st_size
+            self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         cwd=str(REPO))
+            if self._wait_ready(timeout):
+                return
+        raise RuntimeError(f"server could not bind a port in 3 attempts; log {self.log_path}")
+
+    def _wait_ready(self, timeout: float) -> bool:
+        """True once ready; False if the HTTP port was taken (the server is stopped)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
+            out = self.output()
+            if BIND_FAILURE in out:
+                stop_process_group(self.proc, grace=5)
+                return False
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log {self.log_path}:\n"
-                                   f"{self.output()[-3000:]}")
+                                   f"{out[-3000:]}")
             # ready once SGLang's own warmup request is done
-            if "The server is fired up and ready to roll" in self.output():
-                return
+            if "The server is fired up and ready to roll" in out:
+                return True
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"server not ready after {timeout}s; log {self.log_path}")

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import urllib.request
 
 from vase_sglang.answers import extract_answer
 from vase_sglang.models import DEFAULT_MODEL, ModelFetchError, fetch
+from vase_sglang.ports import free_port
 from vase_sglang.tiny_model import build_tiny_qwen3
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
@@ -51,9 +51,7 @@ def main() -> None:
     if not any(a.startswith("--kv-evict-policy") for a in passthrough):
         passthrough += ["--kv-evict-policy", "vase-attnv", "--kv-evict-budget", "128",
                         "--kv-evict-window", "32"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: see vase_sglang/ports.py
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
            "--host", "127.0.0.1", "--port", str(port)]
     if "--device" not in passthrough and not _has_cuda():

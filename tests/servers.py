@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from vase_sglang.ports import BIND_FAILURE, free_port
 
 CPU_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
@@ -47,10 +48,6 @@ def trimkv_gates(config, seed=7):
                                               init_std=0.5, seed=seed)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_command(model: str, port: int, max_total_tokens: int, args) -> list[str]:
@@ -70,20 +67,32 @@ def server_env(extra: dict | None = None) -> dict:
 class Server:
     def __init__(self, model: str, args=(), env: dict | None = None, max_total_tokens: int = 4096,
                  timeout: float = 600.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-", suffix=".log", delete=False)
-        cmd = launch_command(model, self.port, max_total_tokens, args)
-        self.proc = subprocess.Popen(cmd, env=server_env(env), stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        for attempt in range(3):  # a new port if the HTTP port was taken meanwhile
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-", suffix=".log",
+                                                   delete=False)
+            cmd = launch_command(model, self.port, max_total_tokens, args)
+            self.proc = subprocess.Popen(cmd, env=server_env(env), stdout=self.log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+            if self._wait_ready(timeout):
+                return
+        raise RuntimeError(f"server could not bind a port in 3 attempts:\n{self.output()[-4000:]}")
+
+    def _wait_ready(self, timeout: float) -> bool:
+        """True once ready; False if the HTTP port was taken (the server is stopped)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
+            out = self.output()
+            if BIND_FAILURE in out:
+                self.stop()
+                return False
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{out[-4000:]}")
             # Ready once SGLang's own warmup request is done, so that it never shares a batch
             # with (and perturbs the numerics of) the first test request.
-            if "The server is fired up and ready to roll" in self.output():
-                return
+            if "The server is fired up and ready to roll" in out:
+                return True
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.output()[-4000:]}")
