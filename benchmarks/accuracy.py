@@ -664,7 +664,7 @@ def summarize(rows: list[dict], boot_iters: int = 10000) -> dict:
 # per-token teacher-forced metrics, summarised over the tokens after the first eviction
 TF_METRICS = ("kl", "nll_excess", "top1_agree")
 # (reference arm, what it is compared with): VaSE-AttnV against each other policy at the same
-# budget, and against itself without its value slots
+# budget, and against itself without its value slots; trimkv against its VaSE hybrid
 PAIR_REFERENCE = "vase-attnv"
 
 
@@ -699,11 +699,14 @@ def tf_pairs(fields: dict, sums: dict, boot_iters: int) -> dict:
     pairs = {}
     for ref_name, ref in sums.items():
         a = Arm(**fields[ref_name])
-        if a.policy != PAIR_REFERENCE or a.value_slots is not None:
+        if a.value_slots is not None or a.policy not in (PAIR_REFERENCE, "trimkv"):
             continue
         for name, other in sums.items():
             b = Arm(**fields[name])
             if name == ref_name or (b.budget, b.window) != (a.budget, a.window):
+                continue
+            # trimkv is the reference only against its own hybrid (same gates)
+            if a.policy == "trimkv" and (b.policy, b.gates) != ("trimkv", a.gates):
                 continue
             pids = sorted(set(ref) & set(other))
             counts = [ref[p]["count"] for p in pids]

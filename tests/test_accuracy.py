@@ -177,8 +177,9 @@ def _check_and_resume(h, a, out):
         got = pair[metric]["diff"]
         assert math.isclose(got, want, abs_tol=1e-9), metric
     assert "vase-attnv vs vase-attnv nv=0 @T=16" in summary["teacher_forced_pairs"]
-    assert {"vase-attnv vs trimkv @T=16", "vase-attnv vs trimkv nv=4 @T=16"} <= set(
-        summary["teacher_forced_pairs"])
+    assert {"vase-attnv vs trimkv @T=16", "vase-attnv vs trimkv nv=4 @T=16",
+            "trimkv vs trimkv nv=4 @T=16"} <= set(summary["teacher_forced_pairs"])
+    assert not [x for x in summary["teacher_forced_pairs"] if x.startswith("trimkv vs snapkv")]
     assert "vase-attnv vs snapkv @T=8" in summary["teacher_forced_pairs"]
     # the curve: a smaller budget compresses the generated tokens' cache more
     comp = [tfs[f"vase-attnv@{b}/w4:greedy:tf"]["compression"] for b in (8, 12, 16)]
