@@ -2,10 +2,11 @@
 
 A port the OS hands out for `bind(("", 0))` comes from its ephemeral range, from which it also
 hands out ports to every outgoing connection and every other `bind(0)`. Between picking the
-port and SGLang binding it (after the model is loaded, tens of seconds later) torch.distributed
-and gloo in the server's own processes bind ephemeral ports, and once took ours: uvicorn failed
-with "[Errno 98] address already in use" and the launcher hung. So the port is drawn below the
-ephemeral range, where nothing is assigned without asking for it by number."""
+port and SGLang binding it (after the model is loaded, tens of seconds later) another socket
+took ours once (most likely one of the ephemeral ports torch.distributed/gloo bind in the
+server's own processes; not traced): uvicorn failed with "[Errno 98] address already in use"
+and the launcher hung. So the port is drawn below the ephemeral range, where nothing is
+assigned without asking for it by number."""
 
 from __future__ import annotations
 
