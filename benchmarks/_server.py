@@ -16,13 +16,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vase_sglang.ports import BIND_FAILURE, free_port  # noqa: F401  (free_port: used by routing.py)
+from vase_sglang.ports import BIND_FAILURE, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
-
-
 
 
 def stop_process_group(proc: subprocess.Popen, grace: float) -> None:

@@ -179,11 +179,10 @@ def gates_id(path) -> str:
 def retention_arms(a, budget: int, window: int) -> list[Arm]:
     """With --retention-gates: plain TRIM-KV and the VaSE hybrid (the N_v = T/4 largest value
     ranges forced first, as vase-attnv's default) at this budget; none without gates."""
-    if not getattr(a, "retention_gates", None):
+    if not a.gates_id:
         return []
-    g = gates_id(a.retention_gates)
-    return [Arm("trimkv", budget, window, gates=g),
-            Arm("trimkv", budget, window, value_slots=budget // 4, gates=g)]
+    return [Arm("trimkv", budget, window, gates=a.gates_id),
+            Arm("trimkv", budget, window, value_slots=budget // 4, gates=a.gates_id)]
 
 
 def stage_arms(stage: str, a) -> list[Arm]:
@@ -211,11 +210,7 @@ def stage_arms(stage: str, a) -> list[Arm]:
         for b in a.curve:
             w = a.window if b == a.budget else window_for(b)
             for p in a.curve_policies:
-                if p == "trimkv":
-                    arms += [Arm(x.policy, b, w, x.value_slots, kind="tf", gates=x.gates)
-                             for x in retention_arms(a, b, w)[:1]]
-                else:
-                    arms.append(Arm(p, b, w, kind="tf"))
+                arms.append(Arm(p, b, w, kind="tf", gates=a.gates_id if p == "trimkv" else ""))
         return arms
     raise ValueError(f"--stages: unknown stage {stage!r}; use greedy, tf, curve, sweep, sample")
 
@@ -305,7 +300,7 @@ class Harness:
 
     def gates_flags(self) -> list[str]:
         # the gate runs for every token of every request; the other arms' outputs do not change
-        g = getattr(self.a, "retention_gates", None)
+        g = self.a.retention_gates
         return ["--kv-evict-retention-gates", str(Path(g).resolve())] if g else []
 
     def start_server(self, arms: list[Arm]) -> BenchServer:
@@ -980,6 +975,7 @@ def parse_args(argv=None):
             ap.error("--curve-policies: trimkv needs --retention-gates")
         if a.retention_gates and not Path(a.retention_gates).is_file():
             ap.error(f"--retention-gates: no such file: {a.retention_gates}")
+        a.gates_id = gates_id(a.retention_gates) if a.retention_gates else ""  # hashed once
     return a
 
 

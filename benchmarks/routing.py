@@ -36,7 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._server import BenchServer, free_port, stop_process_group  # noqa: E402
+from benchmarks._server import BenchServer, stop_process_group  # noqa: E402
+from vase_sglang.ports import free_port  # noqa: E402
 from benchmarks.concurrency_scaling import decode_stats  # noqa: E402
 
 WORDS = ("cache radix token eviction memory budget window value range sample attention "

@@ -48,8 +48,6 @@ def trimkv_gates(config, seed=7):
                                               init_std=0.5, seed=seed)
 
 
-
-
 def launch_command(model: str, port: int, max_total_tokens: int, args) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS,
             "--port", str(port), "--max-total-tokens", str(max_total_tokens), *args]
