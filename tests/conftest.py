@@ -42,12 +42,75 @@ _shared: dict[str, Server] = {}
 _last_user: dict[str, str] = {}
 
 
-@pytest.hookimpl(trylast=True)  # after `-m` / `-k` deselection
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(session, config, items):
+    """Before the other implementations: groups for pytest-xdist's --dist loadgroup
+    (scripts/test.sh runs 2 workers). A module never splits, so its module-scoped servers start
+    once; modules sharing a session server form one group, so that server starts once, on one
+    worker, which runs the group's tests in collection order. Without xdist the marks do
+    nothing. Within a group the modules are reordered (shared_server_order) so that few shared
+    servers are alive at once. After the other implementations (after `-m` / `-k` deselection
+    and xdist's node ids): each shared server's last user."""
+    modules = {}  # module name -> (its items, the shared servers they use)
+    for item in items:
+        tests, servers = modules.setdefault(item.module.__name__, ([], set()))
+        tests.append(item)
+        servers.update(name for name in SHARED_SERVERS if name in item.fixturenames)
+    groups = {}  # a group's first module -> its modules, in collection order
+    for name, (_, servers) in modules.items():
+        joined = [first for first, members in groups.items()
+                  if servers & set().union(*(modules[m][1] for m in members))]
+        merged = [m for first in joined for m in groups.pop(first)] + [name]
+        groups[merged[0]] = sorted(merged, key=list(modules).index)
+    groups = dict(sorted(groups.items(), key=lambda group: list(modules).index(group[0])))
+    items[:] = [item for members in groups.values()
+                for module in shared_server_order({m: modules[m][1] for m in members})
+                for item in modules[module][0]]
+    for members in groups.values():
+        for module in members:
+            for item in modules[module][0]:
+                item.add_marker(pytest.mark.xdist_group(members[0]))
+    yield
     for item in items:
         for name in SHARED_SERVERS:
             if name in item.fixturenames:  # requested directly or through another fixture
                 _last_user[name] = item.nodeid
+
+
+def pytest_configure(config):
+    """Under pytest-xdist a shared server is stopped after its last user only if all its users
+    run on one worker (pytest_collection_modifyitems): refuse any other distribution."""
+    if (getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
+            and config.getoption("dist") != "loadgroup"):
+        raise pytest.UsageError("tests/conftest.py: with -n, use --dist loadgroup (as "
+                                "scripts/test.sh does): a shared server's tests must run on one "
+                                "worker")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """...and a pytest-xdist that did not group: 3.8 with pytest 9 does not (it renames node ids
+    through an attribute pytest 9 dropped)."""
+    if ids and not any("@" in nodeid for nodeid in ids):
+        raise pytest.UsageError(f"pytest-xdist did not group the tests (--dist loadgroup): no "
+                                f"group in {ids[0]}; install the versions in requirements-cpu.txt")
+
+
+def shared_server_order(uses: dict[str, set[str]]) -> list[str]:
+    """The modules of a group (their shared servers, in collection order) in the order they run:
+    each next module is the one that starts the fewest shared servers not yet running, and,
+    among those, is the last user of the most running ones (so they stop), then the first
+    collected. A greedy bound on how many servers are alive at once, not an optimum."""
+    left, running, order = dict(uses), set(), []
+    while left:
+        def cost(module):
+            others = set().union(*(s for m, s in left.items() if m != module))
+            return len(left[module] - running), -len(left[module] - others)
+        module = min(left, key=cost)  # min keeps the first collected among equals
+        order.append(module)
+        servers = left.pop(module)
+        running = (running | servers) & set().union(*left.values())
+    return order
 
 
 @pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down

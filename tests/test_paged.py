@@ -117,16 +117,21 @@ def _token_usage(log):
 
 def test_paged_footprint_is_whole_pages_within_the_page_rounded_bound(paged_server, tokenizer):
     """One request: the tree's whole prompt pages plus at most ceil((T + R) / page) private
-    pages, and the pool's used count (whole pages) falls back by a page at every eviction."""
+    pages at every decode step, so the pages evictions empty go back to the pool (the request
+    writes far more tokens than that bound holds). Whether a step's log line falls between an
+    eviction's free and the next page's allocation depends on timing (overlap mode frees after
+    the batch in flight), so the bound, not a visible dip, is what is checked."""
     prompt = tokenizer("0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20")["input_ids"]
     before = len(_token_usage(paged_server.output()))
     tokens, _, meta = _served(paged_server, prompt, 300)
     usage = _token_usage(paged_server.output())[before:]
     assert len(tokens) == 300 and meta["kv_evicted_tokens"] > 200
+    assert len(usage) > 200, "a decode log line every step (--decode-log-interval 1)"
     assert all(u % PAGE == 0 for u in usage), usage
     tree = len(prompt) // PAGE * PAGE
-    assert max(usage) <= tree + _round_up(BUDGET + WINDOW), usage
-    assert any(b < a for a, b in zip(usage, usage[1:])), "evictions must give pages back"
+    bound = tree + _round_up(BUDGET + WINDOW)
+    assert len(prompt) + len(tokens) > 3 * bound  # without freed pages the bound is broken
+    assert max(usage) <= bound, usage
     paged_server.wait_idle_checked()
 
 
