@@ -100,12 +100,12 @@ def shared_server_order(uses: dict[str, set[str]]) -> list[str]:
     """The modules of a group (their shared servers, in collection order) in the order they run:
     each next module is the one that starts the fewest shared servers not yet running, and,
     among those, is the last user of the most running ones (so they stop), then the first
-    collected. A greedy bound on how many servers are alive at once, not an optimum."""
+    collected. A greedy heuristic for few servers alive at once, not an optimum."""
     left, running, order = dict(uses), set(), []
     while left:
         def cost(module):
             others = set().union(*(s for m, s in left.items() if m != module))
-            return len(left[module] - running), -len(left[module] - others)
+            return len(left[module] - running), -len((left[module] & running) - others)
         module = min(left, key=cost)  # min keeps the first collected among equals
         order.append(module)
         servers = left.pop(module)
