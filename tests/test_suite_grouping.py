@@ -38,3 +38,22 @@ def test_order_of_independent_modules_is_collection_order():
     uses = {"a": {"x"}, "b": {"y"}, "c": {"x"}}
     assert shared_server_order(uses) == ["a", "c", "b"]  # x stops before y starts
     assert shared_server_order({"a": {"x"}, "b": {"x"}}) == ["a", "b"]
+
+
+def test_workers_without_loadgroup_are_refused():
+    """-n with another distribution would put a shared server's tests on both workers."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+           os.path.join(here, "test_suite_grouping.py"), "-k", "collection_order"]
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0
+    assert "with -n, use --dist loadgroup" in refused.stdout + refused.stderr
+    # with --dist loadgroup it runs (one worker is enough to check the grouping)
+    ok = subprocess.run(cmd + ["-n", "1", "--dist", "loadgroup"], env=env, capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
