@@ -5,9 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# Two workers: most of a server test's time is one process importing SGLang or waiting on
-# another, so a 2-core machine runs two such tests side by side. --dist loadgroup keeps a module,
-# and modules sharing a server, on one worker (tests/conftest.py).
+# Two workers: about 1.5x faster than one process on a 2-core machine (docs/testing.md).
+# --dist loadgroup keeps a module, and modules sharing a server, on one worker (tests/conftest.py).
 WORKERS=${VASE_TEST_WORKERS:-2}
 PARALLEL=()
 [ "$WORKERS" != 0 ] && PARALLEL=(-n "$WORKERS" --dist loadgroup)

@@ -56,20 +56,20 @@ def pytest_collection_modifyitems(session, config, items):
         tests, servers = modules.setdefault(item.module.__name__, ([], set()))
         tests.append(item)
         servers.update(name for name in SHARED_SERVERS if name in item.fixturenames)
+    position = {name: i for i, name in enumerate(modules)}
     groups = {}  # a group's first module -> its modules, in collection order
     for name, (_, servers) in modules.items():
         joined = [first for first, members in groups.items()
                   if servers & set().union(*(modules[m][1] for m in members))]
         merged = [m for first in joined for m in groups.pop(first)] + [name]
-        groups[merged[0]] = sorted(merged, key=list(modules).index)
-    groups = dict(sorted(groups.items(), key=lambda group: list(modules).index(group[0])))
-    items[:] = [item for members in groups.values()
-                for module in shared_server_order({m: modules[m][1] for m in members})
-                for item in modules[module][0]]
-    for members in groups.values():
-        for module in members:
+        groups[merged[0]] = sorted(merged, key=position.get)
+    reordered = []
+    for first in sorted(groups, key=position.get):
+        for module in shared_server_order({m: modules[m][1] for m in groups[first]}):
             for item in modules[module][0]:
-                item.add_marker(pytest.mark.xdist_group(members[0]))
+                item.add_marker(pytest.mark.xdist_group(first))
+                reordered.append(item)
+    items[:] = reordered
     yield
     for item in items:
         for name in SHARED_SERVERS:
