@@ -12,7 +12,9 @@ its processes. Each module here hooks one SGLang subsystem and lists its exact t
                 RadixAttention.forward                                   query capture
                 ForwardBatch.init_new                                    RoPE positions,
                                                                          extend token rows
-  scheduler     Scheduler.update_running_batch                           the eviction step,
+  scheduler     Scheduler._create_generation_req                         per-request settings,
+                                                                         abort if unusable
+                Scheduler.update_running_batch                           the eviction step,
                                                                          early when memory is short
                 ScheduleBatch._get_decode_retraction_order               uncompacted retracted first
                 Req.reset_for_retract                                    retraction

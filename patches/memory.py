@@ -12,9 +12,12 @@ layers x window x q_heads x head_dim elements, often as much as the request's wh
 (GQA models have several query heads per KV head). Rows beyond what the pool can run are
 memory taken from the pool, so without an explicit --max-running-requests the rows are solved
 together with the pool: with A bytes available, a ring row costing r bytes and a request
-charged c tokens of b bytes by admission (admission.charge_len),
+holding c tokens of b bytes (its prompt, assumed --kv-evict-expected-prompt-len tokens, plus
+what admission charges its private cache, admission.charge_len),
     (cap + 1) r + cap c b <= A   =>   cap = (A - r) // (c b + r)
 (SGLang's request table has cap + 1 rows), and SGLang's max_running_requests is capped to it.
+Without the prompt, long-prompt traffic would leave most rows idle (Qwen3-4B shapes, T = 1024,
+4k-token prompts: ~8 GB of ring the pool can never run).
 """
 
 from __future__ import annotations
@@ -72,6 +75,14 @@ def ring_rows(available: int, per_row: int, requested: int | None, tokens_per_re
     return cap + 1, (cap if cap < DEFAULT_MAX_ROWS else None)
 
 
+def ring_tokens_per_request(cfg, page_size: int, prompt_len: int) -> int:
+    """Pool tokens a running request holds, as the ring's rows are sized: its prompt (the
+    expected length) and what admission charges its private cache."""
+    from .admission import charge_len
+
+    return prompt_len + charge_len(cfg, page_size)
+
+
 def kv_shapes(layers, kv_dtype: torch.dtype, window: int, model_dtype: torch.dtype | None = None):
     """The KVShapes of an eviction step from the model's attention layers; the ring has the
     dtype after_post_pool allocates it with (query_ring_dtype)."""
@@ -91,7 +102,8 @@ def around_profile(original, self, *args, **kwargs):
     from .admission import charge_len
     from .model_runner import _attention_layers
     from .runtime import side_bytes_per_token, workspace_bytes
-    from .settings import config_from_env, gates_path_from_env
+    from .settings import (PROMPT_LEN, config_from_env, flag_name, gates_path_from_env,
+                           prompt_len_from_env)
 
     cfg = config_from_env()
     if cfg is None or not cfg.evicts or self.is_draft_worker:
@@ -133,15 +145,17 @@ def around_profile(original, self, *args, **kwargs):
     dtype = shapes.q_dtype
     per_row = ring_bytes(len(layers), 1, cfg.window, shapes.q_heads, shapes.head_dim,
                          dtype.itemsize)
+    prompt = prompt_len_from_env()
     charge = charge_len(cfg, get_schedule().page_size or 1)
-    rows, _row_cap = ring_rows(available, per_row, requested, charge, kv_per_token,
-                               get_schedule().max_total_tokens)
+    rows, _row_cap = ring_rows(available, per_row, requested, ring_tokens_per_request(
+        cfg, get_schedule().page_size or 1, prompt), kv_per_token, get_schedule().max_total_tokens)
     reserve = rows * per_row
     logger.info(
         "VaSE query ring: reserving %.1f MiB (%d bytes of %s) for %d request rows%s",
         reserve / 2**20, reserve, dtype, rows,
         "" if requested else
-        (f" (what the pool beside it holds at {charge} tokens a request: max running "
+        (f" (what the pool beside it holds at {prompt} prompt tokens (assumed: "
+         f"{flag_name(PROMPT_LEN)}) + {charge} private tokens a request: max running "
          f"requests capped to {_row_cap}; set --max-running-requests to choose)"
          if _row_cap else ""),
     )

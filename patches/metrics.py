@@ -10,8 +10,11 @@ with `sglang:*`:
     vase:evictions_total           request-rounds evicted (one request in one eviction step)
     vase:evicted_tokens_total      tokens evicted per (layer, KV head), summed over requests
     vase:freed_slots_total         KV slots returned to the allocator
-    vase:eviction_seconds          histogram of the wall time of one eviction step (all
-                                   requests of the batch), as EvictionRuntime.stats counts it
+    vase:eviction_seconds          histogram of the host wall time of one eviction step (all
+                                   requests of the batch): what the scheduler thread spent
+    vase:eviction_device_seconds   histogram of the device time of one step (CUDA events read
+                                   without a sync, so reported a step or more late; on CPU the
+                                   host time): the share of the GPU the step takes
 """
 
 from __future__ import annotations
@@ -41,12 +44,19 @@ class EvictionMetrics:
         self.seconds = Histogram("vase:eviction_seconds",
                                  "Wall time of one eviction step (all evicted requests of a batch).",
                                  labelnames=names, buckets=BUCKETS)
+        self.device_seconds = Histogram(
+            "vase:eviction_device_seconds",
+            "Device time of one eviction step (CUDA events, read when finished; CPU: wall time).",
+            labelnames=names, buckets=BUCKETS)
 
     def record(self, evictions: int, tokens: int, slots: int, seconds: float) -> None:
         self.evictions.labels(**self.labels).inc(evictions)
         self.evicted_tokens.labels(**self.labels).inc(tokens)
         self.freed_slots.labels(**self.labels).inc(slots)
         self.seconds.labels(**self.labels).observe(seconds)
+
+    def record_device(self, seconds: float) -> None:
+        self.device_seconds.labels(**self.labels).observe(seconds)
 
 
 METRICS: EvictionMetrics | None = None  # set in the scheduler process that exports metrics

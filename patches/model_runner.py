@@ -171,6 +171,7 @@ def after_post_pool(result, model_runner):
         kv_head_offset=head_offset,
         page_size=model_runner.token_to_kv_pool_allocator.page_size,
         retention=retention,
+        limits=settings.limits_from_env(cfg),
     )
     if retention is not None:
         _install_retention_gate(model_runner.model, layers)

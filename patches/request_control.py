@@ -21,6 +21,8 @@ from vase_sglang import EvictionConfig
 from vase_sglang.config import check_page_size
 from vase_sglang.policies import POLICIES
 
+from .settings import GRID, MAX_BUDGET, MIN_WINDOW, RequestLimits, flag_name
+
 KEY = "kv_evict"
 FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed")
 TARGET_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
@@ -31,10 +33,12 @@ def _fail(field: str | None, message: str):
 
 
 def effective_config(custom_params, server_cfg: EvictionConfig | None,
-                     page_size: int = 1, has_gates: bool = False) -> EvictionConfig | None:
+                     page_size: int = 1, has_gates: bool = False,
+                     limits: RequestLimits | None = None) -> EvictionConfig | None:
     """The settings for one request: None = no eviction. Raises ValueError naming
-    `kv_evict.<field>` for values the server cannot apply (`page_size`: its KV pages;
-    `has_gates`: whether it loaded --kv-evict-retention-gates, which trimkv needs)."""
+    `kv_evict.<field>` for values the server cannot apply (`page_size`: its KV pages, as
+    resolved; `has_gates`: whether it loaded --kv-evict-retention-gates, which trimkv needs)
+    or does not allow (`limits`: the server's bounds; default RequestLimits.defaults)."""
     value = custom_params.get(KEY) if isinstance(custom_params, dict) else None
     server = server_cfg if server_cfg is not None and server_cfg.evicts else None
     if value is None:
@@ -77,6 +81,7 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None,
     except ValueError as err:
         raise ValueError(f"{KEY}.{err}") from None  # EvictionConfig names the field first
 
+    check_limits(changes, cfg, server, limits or RequestLimits.defaults(server))
     policy = POLICIES[cfg.policy]
     if policy.needs_retention and not has_gates:
         _fail("policy", f"{cfg.policy!r} needs retention gates, which this server did not "
@@ -95,6 +100,28 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None,
     return cfg
 
 
+def check_limits(changes: dict, cfg: EvictionConfig, server: EvictionConfig,
+                 limits: RequestLimits) -> None:
+    """Refuse what one request may not choose on this server (settings.RequestLimits): one
+    client must not be able to push a step past its workspace, force a round on every decode
+    step, or split every step into many small settings groups."""
+    if cfg.budget > limits.max_budget:
+        _fail("budget", f"must be <= {limits.max_budget}, this server's limit "
+                        f"({flag_name(MAX_BUDGET)}); got {cfg.budget}")
+    if cfg.window < limits.min_window:
+        _fail("window", f"must be >= {limits.min_window}, this server's limit "
+                        f"({flag_name(MIN_WINDOW)}); got {cfg.window}")
+    for field in ("budget", "window", "value_slots"):
+        value = changes.get(field)
+        if value is not None and value != getattr(server, field) and value % limits.grid:
+            _fail(field, f"must be a multiple of {limits.grid} ({flag_name(GRID)}) or the "
+                         f"server's value {getattr(server, field)}; got {value}")
+    most_sinks = max(server.sinks, limits.grid)
+    if cfg.sinks > most_sinks:
+        _fail("sinks", f"must be <= {most_sinks} (the server's sinks or {flag_name(GRID)}, "
+                       f"the larger); got {cfg.sinks}")
+
+
 def server_config() -> EvictionConfig | None:
     from .settings import config_from_env
 
@@ -105,6 +132,12 @@ def server_page_size() -> int:
     from .settings import page_size_from_env
 
     return page_size_from_env()
+
+
+def server_limits(cfg: EvictionConfig | None) -> RequestLimits | None:
+    from .settings import limits_from_env
+
+    return limits_from_env(cfg)
 
 
 def server_has_gates() -> bool:
@@ -120,7 +153,9 @@ def after_verify(result, self, *args, **kwargs):
     custom = self.custom_params
     beam = (self.beam_width or 1) > 1
     if beam or (isinstance(custom, dict) and custom.get(KEY) is not None):
-        cfg = effective_config(custom, server_config(), server_page_size(), server_has_gates())
+        server = server_config()
+        cfg = effective_config(custom, server, server_page_size(), server_has_gates(),
+                               server_limits(server))
         if beam and cfg is not None:
             refuse_beam_search(self.beam_width)
     return result

@@ -39,6 +39,7 @@ import logging
 import math
 import time
 import zlib
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,8 @@ from vase_sglang.workspace import (ChunkCost, KVShapes, Workspace, chunk_cost, e
                                    plan_chunks, size_workspace)
 
 from . import metrics, request_control
+from .settings import RequestLimits
+from .timing import StepTimer
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -64,6 +67,9 @@ class RequestEviction:
     pos_offset: int = 0  # tokens removed from the KV so far: true position - KV length
     evicted: int = 0  # tokens evicted per (layer, KV head) over the request's life (meta_info)
     rounds: int = 0  # evictions since the request was (re)admitted
+    # crc32 of the request's first `hashed` tokens (prompt, then output): its draws' key
+    hashed: int = 0
+    token_crc: int = 0
     # Req.skip_radix_cache_insert before the first eviction set it (restored on retraction)
     saved_skip_insert: bool | None = None
 
@@ -95,7 +101,8 @@ class EvictionStats:
     evictions: int = 0  # request-rounds
     tokens_evicted: int = 0
     slots_freed: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # host wall time of the steps (what the scheduler waited for)
+    device_seconds: float = 0.0  # device time of the finished steps (StepTimer)
 
 
 @dataclass
@@ -118,6 +125,7 @@ class EvictionRuntime:
     token_rows: torch.Tensor | None = None
     page_size: int = 1  # the allocator's; the step keeps the paged row layout (module doc)
     retention: RetentionBuffers | None = None  # with --kv-evict-retention-gates: trimkv served
+    limits: RequestLimits | None = None  # what requests may choose (default: from cfg)
 
     def __post_init__(self):
         k = self.k_buffers[0]
@@ -142,6 +150,14 @@ class EvictionRuntime:
                 pointer_table(self.retention.log_beta, k.device)
                 pointer_table(self.retention.position, k.device)
         self._warned: set[int] = set()
+        if self.limits is None:
+            self.limits = RequestLimits.defaults(self.cfg)
+        self.timer = StepTimer(k.device)
+
+    def request_settings(self, custom_params) -> EvictionConfig | None:
+        """A request's effective settings on this scheduler (its page size, gates, limits)."""
+        return request_control.effective_config(custom_params, self.cfg, self.page_size,
+                                                self.retention is not None, self.limits)
 
     @property
     def num_layers(self) -> int:
@@ -187,9 +203,13 @@ class EvictionRuntime:
         With `early` (the next decode step does not fit in the pool) every request over its
         budget is cut back to it, due or not: an early eviction instead of a retraction. All
         at once rather than just enough for one step: the pool then has room for many steps,
-        and the requests stay in phase, so the next eviction is again one batched group.
-        Requests are grouped by their effective settings (per-request overrides) and by
-        (n, sinks), so each group is one batched select + compaction."""
+        and the requests stay in phase, so the next eviction is again one batched group."""
+        return self.run(batch, self.due_groups(batch, skip, early))
+
+    def due_groups(self, batch, skip=(), early: bool = False) -> dict:
+        """The requests of `batch` this step evicts, grouped by their effective settings
+        (per-request overrides) and by (n, sinks), so each group is one batched select +
+        compaction. Host state only: nothing runs on the device."""
         groups: dict[tuple[EvictionConfig, int, int], list[int]] = {}
         for i, req in enumerate(batch.reqs):
             if req in skip or req.kv.req_pool_idx is None:
@@ -208,9 +228,14 @@ class EvictionRuntime:
             private = kv.kv_allocated_len - kv.cache_protected_len
             if private >= cfg.trigger_len or (early and self._early_frees(cfg, private)):
                 _add_to_group(groups, cfg, req, i, private)
+        return groups
+
+    def run(self, batch, groups: dict) -> int:
+        """Evict `groups` (from due_groups) of `batch`; returns the slots freed."""
         if not groups:
             return 0
         start = time.perf_counter()
+        self.timer.start()
         freed = 0
         new_lens = {}
         evictions, tokens = self.stats.evictions, self.stats.tokens_evicted
@@ -218,12 +243,14 @@ class EvictionRuntime:
             freed += self._evict_group(batch, cfg, members, n, sinks, new_lens)
         self._update_batch_lengths(batch, new_lens)
         batch.batch_is_full = False  # admission was closed on a full pool; it has room now
+        self.timer.stop()
         elapsed = time.perf_counter() - start
         self.stats.seconds += elapsed
         self.stats.slots_freed += freed
         if metrics.METRICS is not None:
             metrics.METRICS.record(self.stats.evictions - evictions,
                                    self.stats.tokens_evicted - tokens, freed, elapsed)
+        self.report_device_times()
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "evicted %d requests, freed %d slots in %.2f ms: %s",
@@ -231,6 +258,15 @@ class EvictionRuntime:
                 ", ".join(f"{batch.reqs[i].rid}: kv {n}" for i, n in new_lens.items()),
             )
         return freed
+
+    def report_device_times(self) -> None:
+        """Device time of the steps that have finished on the device (read without waiting);
+        on CPU the ops run synchronously and it equals the host time."""
+        done = self.timer.finished()
+        self.stats.device_seconds += sum(done)
+        if metrics.METRICS is not None:
+            for seconds in done:
+                metrics.METRICS.record_device(seconds)
 
     def _early_frees(self, cfg, private: int) -> bool:
         """Whether cutting a request that is not due back to its budget frees memory: with
@@ -245,7 +281,7 @@ class EvictionRuntime:
         rows, starts, request, rounds, first_query = self._stage(
             [r.kv.req_pool_idx for r in reqs],
             [r.kv.cache_protected_len for r in reqs],
-            [_request_key(r) for r in reqs],
+            [request_key(r, cfg) for r in reqs],
             [state(r).rounds for r in reqs],
             # True length L: the newest query written is at position L - 1.
             [r.kv.kv_allocated_len + pos_offset(r) - cfg.window for r in reqs],
@@ -516,13 +552,43 @@ def _add_to_group(groups, cfg, req, i, private) -> None:
     groups.setdefault((cfg, n, sinks), []).append(i)
 
 
-def _request_key(req) -> int:
-    """Stable id of a request for its random draws: its sampling seed if the user set one,
-    else a hash of its rid (so a user-chosen rid reproduces a run)."""
+def request_key(req, cfg: EvictionConfig) -> int:
+    """A request's key for its random draws at this eviction (the Draws also mix the seed,
+    layer, KV head and round). The user's `sampling_seed` if set; else the crc32 of every
+    token older than the window: the prompt and the outputs up to the oldest window query.
+    So the same request draws the same on every run, replica, TP/DP rank and scheduler mode
+    (those tokens are on the host in overlap mode too: only the newest token can be in
+    flight), and n > 1 samples of one prompt draw alike only while their outputs agree."""
     seed = getattr(req.sampling_params, "sampling_seed", None)
     if seed is not None:
         return int(seed) & 0x7FFFFFFF
-    return zlib.crc32(str(req.rid).encode())
+    st = state(req)
+    # The true length minus the window: the position of the oldest window query. It only
+    # grows (a retracted request re-prefills its whole true length), so the crc is extended.
+    upto = req.kv.kv_allocated_len + st.pos_offset - cfg.window
+    tokens = _tokens(req, st.hashed, upto)
+    st.token_crc = zlib.crc32(array("q", tokens).tobytes(), st.token_crc)
+    st.hashed += len(tokens)
+    return st.token_crc & 0x7FFFFFFF
+
+
+def _tokens(req, start: int, stop: int) -> list[int]:
+    """Token ids at positions [start, stop) of prompt + output (fewer if the host does not
+    hold them all, which the schedule above rules out; warned, not fatal)."""
+    origin = req.origin_input_ids
+    n = len(origin)
+    out = list(origin[start:min(stop, n)]) if start < n else []
+    if stop > n:
+        out += req.output_ids[max(start, n) - n: stop - n]
+    if len(out) < stop - start and "tokens" not in _WARNED:
+        _WARNED.add("tokens")
+        logger.warning("request %s: tokens [%d, %d) are not all on the host (%d prompt + %d "
+                       "output tokens); its draws are keyed by the ones that are", req.rid,
+                       start, stop, n, len(req.output_ids))
+    return out
+
+
+_WARNED: set[str] = set()
 
 
 def request_config(req) -> EvictionConfig | None:
@@ -541,15 +607,40 @@ def request_config(req) -> EvictionConfig | None:
         cached = st.config = None
     if cached is _UNSET:
         try:
-            cached = request_control.effective_config(req.sampling_params.custom_params, rt.cfg,
-                                                      rt.page_size, rt.retention is not None)
+            cached = rt.request_settings(req.sampling_params.custom_params)
         except ValueError as err:
-            # The tokenizer manager rejects these with HTTP 400; only a path that skips
-            # SamplingParams.verify gets here. Serve it with the server's settings.
-            logger.error("request %s: %s; using the server's eviction settings", req.rid, err)
-            cached = rt.cfg
+            # The tokenizer manager rejects these with HTTP 400 and the scheduler aborts them
+            # at intake (scheduler.after_create_req); never serve other settings than asked.
+            _abort(req, err, running=True)
+            cached = None
         st.config = cached
     return cached
+
+
+def _abort(req, err, running: bool) -> None:
+    message = (f"{err} (this server cannot apply the request's eviction settings: "
+               f"the request is aborted, not served with other settings)")
+    if running:  # the request holds KV: finish it at its next step, as a stop would
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        logger.error("request %s: %s", req.rid, message)
+        req.to_finish = FINISH_ABORT(message, 400, "BadRequestError")
+    else:
+        req.set_finish_with_abort(message)
+
+
+def check_new_request(req) -> None:
+    """At the scheduler's intake: derive the request's settings once; settings this scheduler
+    cannot apply (which the tokenizer manager let through) abort it with HTTP 400."""
+    rt = RUNTIME
+    if rt is None:
+        return
+    st = state(req)
+    try:
+        st.config = rt.request_settings(req.sampling_params.custom_params)
+    except ValueError as err:
+        st.config = None
+        _abort(req, err, running=False)
 
 
 def compacted(req) -> bool:

@@ -28,24 +28,39 @@ def around_update_running_batch(original, self, batch):
         finishing = ()
         if self.enable_overlap:
             finishing = set(self._reqs_finishing_inflight(batch))
-            if getattr(self, "forward_stream", None) is not None and torch.cuda.is_available():
-                # The previous forward may still read (attention) or write (its token's slot)
-                # this KV on the forward stream: order the compaction after it on the device,
-                # without a host sync. run_batch then makes the next forward wait for us.
-                torch.cuda.current_stream().wait_stream(self.forward_stream)
-        rt.evict(batch, skip=finishing)
+        evict_due(self, rt, batch, finishing)
         staying = [i for i, r in enumerate(batch.reqs) if r not in finishing]
         if staying and not batch.check_decode_mem(selected_indices=staying):
             # The next step does not fit (check_decode_mem has already reclaimed what the
             # radix cache could give). Cut requests that are over budget but not yet due
             # back to it rather than let the original retract: a retracted compacted request
             # must re-prefill its whole true length.
-            freed = rt.evict(batch, skip=finishing, early=True)
+            freed = evict_due(self, rt, batch, finishing, early=True)
             if freed:  # else nothing is over budget by a page: SGLang retracts, and says so
                 # INFO like SGLang's own "KV cache pool is full. Retract requests." line.
                 logger.info("KV cache pool short for the next decode step: early eviction "
                             "freed %d slots", freed)
     return original(self, batch)
+
+
+def evict_due(scheduler, rt, batch, finishing, early: bool = False) -> int:
+    """Evict the requests of `batch` that are due (host state decides); returns the slots
+    freed. Only a step that evicts orders the scheduler's stream after the forward in flight:
+    a wait on every decode step would queue every next forward behind the previous one."""
+    groups = rt.due_groups(batch, skip=finishing, early=early)
+    if not groups:
+        return 0
+    wait_for_forward(scheduler)
+    return rt.run(batch, groups)
+
+
+def wait_for_forward(scheduler) -> None:
+    """Under the overlap scheduler the previous forward may still read (attention) or write
+    (its token's slot) this KV on the forward stream: order the compaction after it on the
+    device, without a host sync. run_batch then makes the next forward wait for us."""
+    stream = getattr(scheduler, "forward_stream", None)
+    if scheduler.enable_overlap and stream is not None and torch.cuda.is_available():
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 def around_retraction_order(original, reqs):
@@ -67,6 +82,17 @@ def uncompacted_last(order: list[int], reqs, by_priority: bool) -> list[int]:
         rank.setdefault(reqs[i].priority if by_priority else None, len(rank))
     return sorted(order, key=lambda i: (rank[reqs[i].priority if by_priority else None],
                                         not runtime.compacted(reqs[i])))
+
+
+TARGET_CREATE_REQ = "sglang.srt.managers.scheduler.Scheduler._create_generation_req"
+
+
+def after_create_req(req, scheduler, recv_req, *args, **kwargs):
+    """AFTER Scheduler._create_generation_req (SGLang's extension point for request-local
+    state): derive the request's eviction settings once; settings this scheduler cannot apply
+    abort the request with HTTP 400 before its prefill."""
+    runtime.check_new_request(req)
+    return req
 
 
 def after_reset_for_retract(result, req):
@@ -102,6 +128,7 @@ def around_tree_checkpoint(original, tree, req, *args, up_to, **kwargs):
 
 
 HOOKS = [
+    (TARGET_CREATE_REQ, "AFTER", after_create_req),
     (TARGET_UPDATE_RUNNING_BATCH, "AROUND", around_update_running_batch),
     (TARGET_RETRACTION_ORDER, "AROUND", around_retraction_order),
     (TARGET_RESET_FOR_RETRACT, "AFTER", after_reset_for_retract),

@@ -51,12 +51,15 @@ def check_server_args(server_args, cfg) -> None:
                     "(docs/supported.md) or turn eviction off.")
         problems.append(f"{flag}={value} is not supported with "
                         f"{settings.flag_name('policy')}={cfg.policy}: {why}. {fix}")
-    page_size = server_args.page_size or 1
+    page_size = resolved_page_size(server_args)
     try:
         check_page_size(cfg, page_size)
     except ValueError as err:
+        chosen = ("" if server_args.page_size == page_size else
+                  f" (SGLang resolved the page size to {page_size} for this launch, e.g. for "
+                  f"its attention backend)")
         problems.append(f"{settings.flag_name('window')}={cfg.window} does not fit "
-                        f"--page-size={page_size}: {str(err).split(': ', 1)[1]}.")
+                        f"--page-size={page_size}{chosen}: {str(err).split(': ', 1)[1]}.")
     mrope = _mrope_architecture(server_args)
     if mrope:
         problems.append(
@@ -66,6 +69,14 @@ def check_server_args(server_args, cfg) -> None:
         )
     if problems:
         raise ValueError("\n".join(problems))
+
+
+def resolved_page_size(server_args) -> int:
+    """The page size the server will run with: SGLang keeps its resolution apart from the raw
+    flag (e.g. trtllm_mha, the sm_100 default, turns page size 1 into 64)."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    return resolution_result(server_args, "page_size") or 1
 
 
 def _mrope_architecture(server_args) -> str | None:
@@ -97,7 +108,7 @@ def after_resolve_once(result, server_args):
         check_gates(server_args)
         # Per-request settings are checked against the pages in the tokenizer manager,
         # which may run in a spawned process: the environment reaches it.
-        os.environ[settings.PAGE_SIZE_ENV] = str(server_args.page_size or 1)
+        os.environ[settings.PAGE_SIZE_ENV] = str(resolved_page_size(server_args))
 
 
 HOOKS = [

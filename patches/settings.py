@@ -5,7 +5,8 @@ fields, so the canonical channel is the environment (inherited by spawned childr
 
     VASE_KV_EVICT_POLICY, VASE_KV_EVICT_BUDGET, VASE_KV_EVICT_WINDOW,
     VASE_KV_EVICT_VALUE_SLOTS, VASE_KV_EVICT_SINKS, VASE_KV_EVICT_SEED,
-    VASE_KV_EVICT_WORKSPACE_MB, VASE_KV_EVICT_RETENTION_GATES
+    VASE_KV_EVICT_WORKSPACE_MB, VASE_KV_EVICT_RETENTION_GATES, VASE_KV_EVICT_MAX_BUDGET,
+    VASE_KV_EVICT_MIN_WINDOW, VASE_KV_EVICT_GRID, VASE_KV_EVICT_EXPECTED_PROMPT_LEN
 
 VASE_KV_EVICT_PLUGINS (comma-separated modules) is imported first in every process, so
 policies registered there with `vase_sglang.register_policy` can be named.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from dataclasses import dataclass
+
 from vase_sglang import POLICIES, POLICY_NAMES, EvictionConfig
 
 # flag suffix -> (EvictionConfig field, type, help)
@@ -26,7 +29,10 @@ FLAGS = {
                "trimkv (needs --kv-evict-retention-gates). Unset or 'full' keeps the whole "
                "cache (stock SGLang)."),
     "budget": ("budget", int, "Tokens kept per layer and KV head after an eviction, including "
-               "the recent window (VaSE's T). Default 1024. With --page-size P a request's "
+               "the recent window (VaSE's T), counted in the request's private cache: the "
+               "generated tokens with the radix cache on (the prompt is shared and never "
+               "evicted, but its partial last page is private), prompt and generated tokens "
+               "with --disable-radix-cache. Default 1024. With --page-size P a request's "
                "private cache cycles between ceil(T/P) and ceil((T+R)/P) pages; multiples of "
                "P move no K/V at eviction."),
     "window": ("window", int, "Newest tokens always kept; eviction runs every `window` decode "
@@ -35,7 +41,9 @@ FLAGS = {
     "value-slots": ("value_slots", int, "vase-attnv: slots reserved for the largest value "
                     "ranges. Default budget/4."),
     "sinks": ("sinks", int, "First tokens of the sequence always kept. Default 4."),
-    "seed": ("seed", int, "Seed of the stochastic policies. Default 0."),
+    "seed": ("seed", int, "Seed of the stochastic policies; draws are keyed by (seed, the "
+             "request's tokens, layer, KV head, round), so the same request gives the same "
+             "output on every run and replica. Default 0."),
     "workspace-mb": ("workspace_mb", int, "MiB reserved at startup for one eviction step "
                      "(gathered K/V and score temporaries; the step is chunked over layers and "
                      "requests to stay inside it). Default: sized for 64 requests of one layer "
@@ -43,14 +51,100 @@ FLAGS = {
 }
 
 
+def env_name(suffix: str) -> str:
+    return "VASE_KV_EVICT_" + suffix.upper().replace("-", "_")
+
+
+def flag_name(suffix: str) -> str:
+    return "--kv-evict-" + suffix
+
+
 # Server-only settings: not EvictionConfig fields, because a request cannot choose them (the
-# gates are one file per model, loaded once per scheduler process and run for every token).
+# gates are one file per model, loaded once per scheduler process and run for every token; the
+# limits bound what a request may choose; the prompt length is an assumption about the traffic).
 GATES = "retention-gates"
+MAX_BUDGET, MIN_WINDOW, GRID = "max-budget", "min-window", "grid"
+PROMPT_LEN = "expected-prompt-len"
+DEFAULT_PROMPT_LEN = 256
 SERVER_FLAGS = {
     GATES: "Retention gates file (safetensors, `python -m vase_sglang.retention train`) of "
            "this model: the gate runs for every token and any request may ask for "
            "policy trimkv. Required by --kv-evict-policy trimkv.",
+    MAX_BUDGET: "Largest budget a request may ask for (custom_params.kv_evict.budget); the "
+                "step workspace is sized to cover it. Default: --kv-evict-budget (requests may "
+                "only evict more, not less).",
+    MIN_WINDOW: "Smallest window a request may ask for (eviction runs every `window` decode "
+                "tokens, so a small window costs a round on most steps). Default: a quarter of "
+                "--kv-evict-window, at least 1 (and never below --page-size, see the window).",
+    GRID: "Per-request budget, window and value_slots must equal the server's or be a multiple "
+          "of this, so that few distinct settings groups share a decode batch (each group is "
+          "one batched selection). Default: the minimum window.",
+    PROMPT_LEN: f"Mean prompt tokens per request that the query ring's rows are sized for "
+                f"(the ring holds one row per running request; rows beyond what the pool can "
+                f"run at prompt + budget tokens each are memory taken from the pool). Default "
+                f"{DEFAULT_PROMPT_LEN}; 0 sizes rows for the generated tokens alone. Only "
+                f"matters without --max-running-requests.",
 }
+INT_SERVER_FLAGS = (MAX_BUDGET, MIN_WINDOW, GRID, PROMPT_LEN)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may choose in custom_params.kv_evict on this server (request_control):
+    budget <= max_budget; window >= min_window; budget, window and value_slots equal to the
+    server's or multiples of `grid`; sinks <= max(the server's sinks, grid). They bound one
+    request's step memory (the workspace covers max_budget), its eviction frequency, and the
+    number of distinct settings groups in a step."""
+
+    max_budget: int
+    min_window: int
+    grid: int
+
+    @classmethod
+    def defaults(cls, cfg: EvictionConfig) -> "RequestLimits":
+        min_window = max(1, cfg.window // 4)
+        return cls(max_budget=cfg.budget, min_window=min_window, grid=min_window)
+
+
+def limits_from_values(values: dict[str, object], cfg: EvictionConfig | None,
+                       source=flag_name) -> RequestLimits | None:
+    """The server's RequestLimits (None where eviction is off). Raises ValueError naming the
+    flag (or variable) at fault."""
+    if cfg is None or not cfg.evicts:
+        return None
+    chosen = {}
+    for suffix in (MAX_BUDGET, MIN_WINDOW, GRID):
+        raw = values.get(suffix)
+        if raw not in (None, ""):
+            chosen[suffix] = _int_flag(raw, suffix, source, minimum=1)
+    limits = RequestLimits.defaults(cfg)
+    min_window = chosen.get(MIN_WINDOW, limits.min_window)
+    limits = RequestLimits(max_budget=chosen.get(MAX_BUDGET, limits.max_budget),
+                           min_window=min_window, grid=chosen.get(GRID, min_window))
+    if limits.max_budget < cfg.budget:
+        raise ValueError(f"{source(MAX_BUDGET)}: must be >= {source('budget')} ({cfg.budget}), "
+                         f"got {limits.max_budget}")
+    if limits.min_window > cfg.window:
+        raise ValueError(f"{source(MIN_WINDOW)}: must be <= {source('window')} ({cfg.window}), "
+                         f"got {limits.min_window}")
+    return limits
+
+
+def prompt_len_from_values(values: dict[str, object], source=flag_name) -> int:
+    raw = values.get(PROMPT_LEN)
+    if raw in (None, ""):
+        return DEFAULT_PROMPT_LEN
+    return _int_flag(raw, PROMPT_LEN, source, minimum=0)
+
+
+def _int_flag(raw, suffix: str, source, minimum: int) -> int:
+    try:
+        value = _as_int(raw)
+    except ValueError:
+        raise ValueError(f"{source(suffix)}: expected an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{source(suffix)}: must be >= {minimum}, got {value}")
+    return value
 
 
 # The server's KV page size, exported at startup validation (server_args.after_resolve_once)
@@ -60,14 +154,6 @@ PAGE_SIZE_ENV = "VASE_KV_PAGE_SIZE"
 
 def page_size_from_env(environ=os.environ) -> int:
     return int(environ.get(PAGE_SIZE_ENV) or 1)
-
-
-def env_name(suffix: str) -> str:
-    return "VASE_KV_EVICT_" + suffix.upper().replace("-", "_")
-
-
-def flag_name(suffix: str) -> str:
-    return "--kv-evict-" + suffix
 
 
 def config_from_values(values: dict[str, object], source=flag_name) -> EvictionConfig | None:
@@ -85,8 +171,8 @@ def config_from_values(values: dict[str, object], source=flag_name) -> EvictionC
         except ValueError:
             raise ValueError(f"{source(suffix)}: expected an integer, got {raw!r}") from None
     if "policy" not in kwargs:
-        if kwargs or values.get(GATES):
-            first = next(s for s in (*FLAGS, GATES) if values.get(s) not in (None, ""))
+        if kwargs or any(values.get(s) not in (None, "") for s in SERVER_FLAGS):
+            first = next(s for s in (*FLAGS, *SERVER_FLAGS) if values.get(s) not in (None, ""))
             raise ValueError(f"{source(first)}: set {source('policy')} too, or drop this option")
         return None
     try:
@@ -100,6 +186,8 @@ def config_from_values(values: dict[str, object], source=flag_name) -> EvictionC
         raise ValueError(f"{source('policy')}: {cfg.policy} needs retention gates: set "
                          f"{source(GATES)} PATH (train them with `python -m "
                          f"vase_sglang.retention train --model ...`)")
+    limits_from_values(values, cfg, source)  # the server-only settings, checked with the rest
+    prompt_len_from_values(values, source)
     return cfg
 
 
@@ -125,8 +213,20 @@ def import_policy_modules(environ=os.environ) -> None:
 def config_from_env(environ=os.environ) -> EvictionConfig | None:
     """The eviction config of this process, or None when eviction is off."""
     import_policy_modules(environ)
-    values = {suffix: environ.get(env_name(suffix)) for suffix in (*FLAGS, *SERVER_FLAGS)}
-    return config_from_values(values, source=env_name)
+    return config_from_values(_env_values(environ), source=env_name)
+
+
+def _env_values(environ) -> dict[str, object]:
+    return {suffix: environ.get(env_name(suffix)) for suffix in (*FLAGS, *SERVER_FLAGS)}
+
+
+def limits_from_env(cfg: EvictionConfig | None, environ=os.environ) -> RequestLimits | None:
+    """The per-request limits of this server (validated at startup with the flags)."""
+    return limits_from_values(_env_values(environ), cfg, source=env_name)
+
+
+def prompt_len_from_env(environ=os.environ) -> int:
+    return prompt_len_from_values(_env_values(environ), source=env_name)
 
 
 def gates_path_from_env(environ=os.environ) -> str | None:

@@ -48,7 +48,16 @@ def trimkv_gates(config, seed=7):
                                               init_std=0.5, seed=seed)
 
 
+# The tests' prompts are about 10 tokens: their evicting servers size the query ring for 8 (the
+# default assumes 256-token prompts and would cap the small test pools at a few running
+# requests, below what admission admits there).
+TEST_PROMPT_LEN = ["--kv-evict-expected-prompt-len", "8"]
+
+
 def launch_command(model: str, port: int, max_total_tokens: int, args) -> list[str]:
+    args = list(args)
+    if "--kv-evict-policy" in args and TEST_PROMPT_LEN[0] not in args:
+        args += TEST_PROMPT_LEN
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS,
             "--port", str(port), "--max-total-tokens", str(max_total_tokens), *args]
 

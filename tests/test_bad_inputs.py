@@ -40,6 +40,14 @@ LAUNCH_CASES = [
     (POLICY + ["--kv-evict-sinks", "-2"], {}, "--kv-evict-sinks: must be >= 0"),
     (POLICY + ["--kv-evict-seed", "x"], {}, "--kv-evict-seed: expected an integer"),
     (["--kv-evict-budget", "128"], {}, "--kv-evict-budget: set --kv-evict-policy too"),
+    (["--kv-evict-max-budget", "128"], {}, "--kv-evict-max-budget: set --kv-evict-policy too"),
+    (POLICY + ["--kv-evict-max-budget", "512"], {},
+     "--kv-evict-max-budget: must be >= --kv-evict-budget (1024), got 512"),
+    (POLICY + ["--kv-evict-min-window", "128"], {},
+     "--kv-evict-min-window: must be <= --kv-evict-window (64), got 128"),
+    (POLICY + ["--kv-evict-grid", "0"], {}, "--kv-evict-grid: must be >= 1, got 0"),
+    (POLICY + ["--kv-evict-expected-prompt-len", "-5"], {},
+     "--kv-evict-expected-prompt-len: must be >= 0, got -5"),
     (POLICY + ["--page-size", "16", "--kv-evict-window", "8"], {},
      "--kv-evict-window=8 does not fit --page-size=16: must be >= the page size (16)"),
     (POLICY + ["--enable-mixed-chunk"], {}, "--enable-mixed-chunk=True is not supported"),
@@ -155,6 +163,17 @@ REQUEST_CASES = [
     ({"policy": "vase-attnv", "value_slots": 30},
      "kv_evict.value_slots: value_slots (30) + sinks (4) must fit in budget - window (24)"),
     ({"sinks": -1}, "kv_evict.sinks: must be >= 0, got -1"),
+    # The server's limits (defaults: budget <= its own, window >= a quarter of its own, a grid
+    # of that quarter, sinks <= its own): one request cannot push a step past the workspace,
+    # evict on every step, or split steps into many settings groups.
+    ({"budget": 64}, "kv_evict.budget: must be <= 32, this server's limit "
+                     "(--kv-evict-max-budget); got 64"),
+    ({"window": 1}, "kv_evict.window: must be >= 2, this server's limit "
+                    "(--kv-evict-min-window); got 1"),
+    ({"budget": 25}, "kv_evict.budget: must be a multiple of 2 (--kv-evict-grid) or the "
+                     "server's value 32; got 25"),
+    ({"sinks": 6}, "kv_evict.sinks: must be <= 4 (the server's sinks or --kv-evict-grid, the "
+                   "larger); got 6"),
     ("off", "kv_evict: expected false, true or an object with keys policy, budget, window, "
             "value_slots, sinks, seed; got 'off'"),
 ]
@@ -204,8 +223,10 @@ def test_messages_that_need_another_server(tiny_model):
     with pytest.raises(ValueError, match=r"^kv_evict.policy: 'snapkv' scores with attention "
                                          r"queries, which this server does not record"):
         effective_config({"kv_evict": {"policy": "snapkv"}}, streaming)
-    # Without query scoring the request's window is free.
-    assert effective_config({"kv_evict": {"window": 16, "budget": 64}}, streaming).window == 16
+    # Without query scoring the request's window may exceed the server's (within the limits).
+    limits = settings.RequestLimits(max_budget=64, min_window=2, grid=2)
+    assert effective_config({"kv_evict": {"window": 16, "budget": 64}}, streaming,
+                            limits=limits).window == 16
     with pytest.raises(ValueError, match=r"^kv_evict: this server was started without "
                                          r"--kv-evict-policy"):
         effective_config({"kv_evict": {"budget": 64}}, None)
@@ -309,6 +330,33 @@ def test_a_window_below_one_page_is_refused_naming_both_flags(resolved, page, wi
     ok_cfg = cfg.replace(window=page)
     with pytest.raises(ValueError, match=r"kv_evict\.window: must be >= the page size"):
         effective_config({"kv_evict": {"window": window}}, ok_cfg, page)
+
+
+def test_the_page_size_sglang_resolves_is_the_one_checked(resolved, monkeypatch):
+    """SGLang keeps what its resolution decides apart from the raw flag: on sm_100 the default
+    trtllm_mha backend turns page size 1 into 64 (arg_groups.overrides). That backend cannot
+    resolve here, so its declaration stands in for it. A window of 16 must be refused at
+    startup, and per-request checks (the tokenizer manager reads VASE_KV_PAGE_SIZE) must use
+    64 too: the raw flag would let both through and the scheduler would reject the settings."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    args = resolved([])
+    declare_resolution(args, "trtllm_mha on sm_100 (stand-in)", page_size=64)
+    assert args.page_size in (None, 1)  # the raw flag
+    cfg = EvictionConfig(policy="snapkv", budget=128, window=16)
+    with pytest.raises(ValueError, match=r"--kv-evict-window=16 does not fit --page-size=64 "
+                                         r"\(SGLang resolved the page size to 64 for this launch"):
+        server_args_hooks.check_server_args(args, cfg)
+    ok = cfg.replace(window=64)
+    monkeypatch.setenv("VASE_KV_EVICT_POLICY", "snapkv")
+    monkeypatch.setenv("VASE_KV_EVICT_BUDGET", "128")
+    monkeypatch.setenv("VASE_KV_EVICT_WINDOW", "64")
+    monkeypatch.delenv(settings.PAGE_SIZE_ENV, raising=False)
+    server_args_hooks.after_resolve_once(None, args)
+    assert settings.page_size_from_env() == 64
+    with pytest.raises(ValueError, match=r"kv_evict\.window: must be >= the page size \(64\)"):
+        effective_config({"kv_evict": {"window": 32}}, ok, settings.page_size_from_env(),
+                         limits=settings.RequestLimits(max_budget=128, min_window=16, grid=16))
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,9 @@ def test_metrics_count_what_responses_report(server):
     assert ROUNDS <= steps <= 3 * ROUNDS
     assert delta("vase:eviction_seconds_sum") > 0
     assert delta("vase:eviction_seconds_bucket[+Inf]") == steps
+    # Device time per step: on CPU the ops are synchronous, so every step is read at once.
+    assert delta("vase:eviction_device_seconds_count") == steps
+    assert 0 < delta("vase:eviction_device_seconds_sum") <= delta("vase:eviction_seconds_sum")
     # SGLang's own scheduler metrics are still exported next to ours.
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
         assert b"sglang:num_running_reqs" in r.read()

@@ -84,6 +84,34 @@ def test_tp2_equals_the_single_process_reference(tp2_server, hf_model, gates_fil
     assert max(abs(a - b) for a, b in zip(logprobs, other_lp)) > 1e-2
 
 
+STOCHASTIC = ["vase-attnv", "vase-dkv", "curdkv", "random"]
+
+
+def test_the_same_request_gives_the_same_text_on_every_run_and_at_tp2(tp2_server, snapkv_server):
+    """Greedy and no rid or seed: the draws are keyed by the request's tokens (not by its
+    random rid), so a request gives the same text on every run, on another server, and at
+    tp = 2. The shared snapkv server (conftest.py) has this module's settings at tp = 1."""
+    from servers import SNAPKV
+
+    assert SNAPKV == {"policy": "snapkv", "budget": BUDGET, "window": WINDOW, "seed": SEED}
+    prompt = [(13 * i + 5) % 700 + 30 for i in range(10)]
+
+    def text(server, policy, **sampling):
+        out = server.generate(input_ids=prompt, max_new_tokens=150, sampling_params={
+            "ignore_eos": True, "custom_params": {"kv_evict": {"policy": policy}}, **sampling})
+        assert out["meta_info"]["kv_evicted_tokens"] > 0
+        return out["output_ids"]
+
+    for policy in STOCHASTIC:
+        first = text(snapkv_server, policy)
+        assert text(snapkv_server, policy) == first, policy
+        assert text(tp2_server, policy) == first, policy
+    # The draws decide the text (so the equalities above could fail): other keys, other texts.
+    assert text(snapkv_server, "random", sampling_seed=1) != text(snapkv_server, "random",
+                                                                  sampling_seed=2)
+    snapkv_server.wait_idle_checked()
+
+
 def test_tp2_frees_the_same_slots_on_every_rank(tp2_server):
     """Both ranks keep one allocator each and take the same eviction decisions from the same
     host-side lengths; a mismatch shows as a leak or a conservation error in SGLang's strict
@@ -114,7 +142,8 @@ def test_dp2_each_worker_evicts_its_own_requests(tiny_model_fp32):
     and counts are right whichever worker serves a request; metrics carry the DP rank."""
     n = 100
     budgets = [BUDGET, 48, BUDGET, 48]
-    with Server(tiny_model_fp32, _args("--dp-size", "2", "--enable-metrics"), env=TWO_RANKS) as server:
+    args = _args("--dp-size", "2", "--enable-metrics", "--kv-evict-max-budget", "48")
+    with Server(tiny_model_fp32, args, env=TWO_RANKS) as server:
         results = [None] * len(budgets)
 
         def run(i):

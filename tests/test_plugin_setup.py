@@ -103,3 +103,32 @@ def test_query_ring_rows_are_what_the_pool_beside_them_can_run():
     assert ring_rows(available, per_row, 2048, charge_len(cfg), per_token) == (2049, None)
     # A small ring on a big pool: SGLang's own default table size, no cap.
     assert ring_rows(2**40, 1024, None, 1, 1) == (DEFAULT_MAX_ROWS + 1, None)
+
+
+def test_query_ring_rows_count_the_prompts_the_pool_also_holds():
+    """Issue 22's case: Qwen3-4B shapes (36 layers, 32 query / 8 KV heads, head dim 128, bf16),
+    T = 1024, window 64, 4k-token prompts, 60 GiB to share. Sized for the private cycle alone
+    the ring reserved rows for 5x more requests than the pool can hold with their prompts:
+    gigabytes of ring that never run. With the prompt length assumed, no row is idle."""
+    from vase_sglang import EvictionConfig
+    from vase_sglang_patches.admission import charge_len
+    from vase_sglang_patches.memory import ring_bytes, ring_rows, ring_tokens_per_request
+    from vase_sglang_patches.settings import DEFAULT_PROMPT_LEN, prompt_len_from_values
+
+    cfg = EvictionConfig(policy="vase-attnv", budget=1024, window=64)
+    per_row = ring_bytes(36, 1, 64, 32, 128, 2)
+    per_token = 36 * 2 * 8 * 128 * 2
+    available = 60 * 2**30
+    prompt = 4096
+
+    def idle_ring_bytes(tokens_per_request):
+        rows, cap = ring_rows(available, per_row, None, tokens_per_request, per_token)
+        runnable = (available - rows * per_row) // ((prompt + charge_len(cfg)) * per_token)
+        return max(0, cap - runnable) * per_row
+
+    assert ring_tokens_per_request(cfg, 1, prompt) == prompt + charge_len(cfg)
+    assert idle_ring_bytes(ring_tokens_per_request(cfg, 1, prompt)) <= per_row
+    assert idle_ring_bytes(ring_tokens_per_request(cfg, 1, 0)) > 4 * 2**30  # the old sizing
+    # The assumption is a flag with a default; 0 keeps the old sizing.
+    assert prompt_len_from_values({}) == DEFAULT_PROMPT_LEN > 0
+    assert prompt_len_from_values({"expected-prompt-len": "0"}) == 0

@@ -45,8 +45,9 @@ def _request(i, n, window, prefix=3):
     kv = SimpleNamespace(req_pool_idx=i, cache_protected_len=prefix,
                          kv_allocated_len=prefix + n + window, kv_committed_len=prefix + n + window)
     params = SimpleNamespace(sampling_seed=None, custom_params=None)
+    tokens = [(31 * i + 7 * j) % 1000 for j in range(prefix + n + window)]  # keys the draws
     return SimpleNamespace(rid=f"r{i}", kv=kv, decode_batch_idx=1, sampling_params=params,
-                           skip_radix_cache_insert=False)
+                           skip_radix_cache_insert=False, origin_input_ids=tokens, output_ids=[])
 
 
 def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, workspace=None,
@@ -179,7 +180,7 @@ def _unchunked(cfg, rt, batch):
     queries = None
     if rt.queries is not None:
         queries = rt.queries[:, rows].permute(1, 0, 3, 2, 4)
-    request = torch.tensor([runtime._request_key(r) for r in reqs])
+    request = torch.tensor([runtime.request_key(r, cfg) for r in reqs])
     retention = side = None
     if rt.retention is not None:  # trimkv: log β and age from the side buffers, now = length
         side = [b.clone() for b in rt.retention.log_beta], [b.clone() for b in rt.retention.position]

@@ -1,0 +1,178 @@
+"""Issue 22's hardening, on the real scheduler-side code with small CPU tensors and SGLang's own
+Req: settings a scheduler cannot apply abort the request, draws are keyed by the request's
+content, the overlap scheduler's stream wait happens only on steps that evict, and step device
+times are read without waiting."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vase_sglang import EvictionConfig
+from vase_sglang_patches import runtime
+from vase_sglang_patches import scheduler as scheduler_hooks
+from vase_sglang_patches.timing import StepTimer
+
+torch.set_num_threads(1)
+LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 2, 4, 16
+
+
+@contextmanager
+def serving(cfg, page_size=1, slots=512, rows=8):
+    """RUNTIME set to a real EvictionRuntime over a small random CPU pool."""
+    gen = torch.Generator().manual_seed(0)
+    kv = [torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2 * LAYERS)]
+    ring = torch.randn(LAYERS, rows, cfg.window, Q_HEADS, HEAD_DIM, generator=gen)
+    rt = runtime.EvictionRuntime(
+        cfg=cfg, k_buffers=kv[:LAYERS], v_buffers=kv[LAYERS:],
+        req_to_token=torch.zeros(rows, 256, dtype=torch.int32), allocator=None,
+        num_q_heads=Q_HEADS, head_dim=HEAD_DIM, start_layer=0, queries=ring,
+        page_size=page_size)
+    saved, runtime.RUNTIME = runtime.RUNTIME, rt
+    try:
+        yield rt
+    finally:
+        runtime.RUNTIME = saved
+
+
+def _req(rid, input_ids, kv_evict=None, seed=None, output_ids=()):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    custom = None if kv_evict is None else {"kv_evict": kv_evict}
+    req = Req(rid, "", list(input_ids), SamplingParams(max_new_tokens=64, custom_params=custom,
+                                                      sampling_seed=seed))
+    req.output_ids.extend(output_ids)
+    return req
+
+
+def test_settings_the_scheduler_cannot_apply_abort_the_request():
+    """The tokenizer manager checks per-request settings against what it knows; a scheduler
+    whose pages are larger (or any other mismatch) must abort the request with the reason, not
+    serve it with the server's settings as before."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.runtime_context import get_parallel
+
+    server = EvictionConfig(policy="snapkv", budget=128, window=64)
+    with serving(server, page_size=64), get_parallel().override(tp_rank=0):
+        bad = _req("bad", [1, 2, 3], {"window": 32})
+        scheduler_hooks.after_create_req(bad, None, None)
+        assert isinstance(bad.to_finish, FINISH_ABORT)
+        assert bad.to_finish.status_code == 400
+        assert bad.to_finish.message.startswith("kv_evict.window: must be >= the page size (64)")
+        assert runtime.request_config(bad) is None  # never served with other settings
+        good = _req("good", [1, 2, 3], {"budget": 96})
+        scheduler_hooks.after_create_req(good, None, None)
+        assert good.to_finish is None and runtime.request_config(good).budget == 96
+        # A request that reached the scheduler without the intake check (no path does today)
+        # is finished at its next step, keeping its KV until SGLang frees it.
+        late = _req("late", [1, 2, 3], {"window": 32})
+        assert runtime.request_config(late) is None
+        assert isinstance(late.to_finish, FINISH_ABORT) and list(late.origin_input_ids) == [1, 2, 3]
+
+
+def _key(req, cfg, length):
+    """request_key at a true length of `length` tokens (the KV holds all of them)."""
+    req.kv.kv_allocated_len = length
+    return runtime.request_key(req, cfg)
+
+
+def test_draws_are_keyed_by_the_request_content_not_its_rid():
+    cfg = EvictionConfig(policy="random", budget=16, window=8)
+    prompt = list(range(100, 120))
+    out = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    a, b = _req("rid-a", prompt, output_ids=out), _req("rid-b", prompt, output_ids=out)
+    with serving(cfg):
+        assert _key(a, cfg, 29) == _key(b, cfg, 29)  # random rids, same draws
+        # Incremental hashing over rounds equals hashing at once.
+        fresh = _req("rid-c", prompt, output_ids=out)
+        assert _key(a, cfg, 30) == _key(fresh, cfg, 30) != _key(b, cfg, 29)
+        # A token in the window (possibly still in flight) does not change the key; an older
+        # one does: n > 1 samples draw alike only while their outputs agree.
+        tail = _req("t", prompt, output_ids=out[:-1] + [99])
+        assert _key(tail, cfg, 30) == _key(_req("u", prompt, output_ids=out), cfg, 30)
+        early = _req("e", prompt, output_ids=[99] + out[1:])
+        assert _key(early, cfg, 30) != _key(_req("v", prompt, output_ids=out), cfg, 30)
+        # The user's sampling_seed still decides.
+        seeded = _req("s", prompt, seed=1234, output_ids=out)
+        assert _key(seeded, cfg, 30) == 1234
+
+
+def _batch(reqs):
+    lens = torch.tensor([r.kv.kv_allocated_len for r in reqs])
+    return SimpleNamespace(reqs=reqs, seq_lens_cpu=lens, seq_lens=lens.clone(),
+                           orig_seq_lens=None, seq_lens_sum=None, batch_is_full=True)
+
+
+def test_the_overlap_stream_wait_happens_only_on_steps_that_evict(monkeypatch):
+    """Ordering the scheduler stream after the forward in flight on every decode step would
+    queue each forward behind the previous one; only a step that evicts needs it."""
+    cfg = EvictionConfig(policy="streaming", budget=16, window=8)
+    waits = []
+    monkeypatch.setattr(scheduler_hooks, "wait_for_forward", lambda s: waits.append(s))
+    scheduler = SimpleNamespace(enable_overlap=True, forward_stream=object())
+    with serving(cfg) as rt:
+        reqs = [_req(f"r{i}", [1, 2, 3, 4]) for i in range(2)]
+        for i, req in enumerate(reqs):
+            req.kv.req_pool_idx, req.kv.cache_protected_len = i, 4
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = 4 + cfg.trigger_len - 1
+            req.decode_batch_idx = 5
+        rt.allocator = SimpleNamespace(free=lambda slots: None)
+        batch = _batch(reqs)
+        assert scheduler_hooks.evict_due(scheduler, rt, batch, ()) == 0
+        assert waits == []  # nothing due: no wait
+        for req in reqs:
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = 4 + cfg.trigger_len
+        rt.req_to_token[:2, :4 + cfg.trigger_len] = torch.arange(
+            1, 1 + 2 * (4 + cfg.trigger_len), dtype=torch.int32).view(2, -1)
+        assert scheduler_hooks.evict_due(scheduler, rt, _batch(reqs), ()) > 0
+        assert waits == [scheduler]
+
+
+class _FakeEvent:
+    """A CUDA event as StepTimer uses it: record(), query() (never blocks), elapsed_time()."""
+
+    clock = 0.0
+    done = set()
+
+    def __init__(self):
+        self.time = None
+
+    def record(self):
+        self.time = _FakeEvent.clock
+
+    def query(self):
+        return id(self) in _FakeEvent.done
+
+    def elapsed_time(self, end):
+        assert self.query() and end.query(), "elapsed_time on an unfinished event would sync"
+        return (end.time - self.time) * 1e3
+
+    def synchronize(self):
+        raise AssertionError("StepTimer must never wait on the device")
+
+
+def test_step_device_time_is_read_when_finished_without_waiting():
+    timer = StepTimer("cuda", event_factory=_FakeEvent)
+    starts, ends = [], []
+    for t0, t1 in ((0.0, 0.25), (1.0, 1.5)):
+        _FakeEvent.clock = t0
+        timer.start()
+        starts.append(timer._start)
+        _FakeEvent.clock = t1
+        timer.stop()
+        ends.append(timer._pending[-1][1])
+    assert timer.finished() == []  # both still running on the "device": nothing read, no wait
+    _FakeEvent.done |= {id(starts[0]), id(ends[0])}
+    assert timer.finished() == [0.25]
+    _FakeEvent.done |= {id(starts[1]), id(ends[1])}
+    assert timer.finished() == [0.5] and timer.finished() == []
+    # On CPU the ops are synchronous: a step's device time is its host time.
+    cpu = StepTimer("cpu")
+    cpu.start()
+    cpu.stop()
+    (seconds,) = cpu.finished()
+    assert 0 <= seconds < 1
