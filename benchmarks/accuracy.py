@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import signal
 import sys
@@ -169,6 +170,18 @@ def window_for(budget: int) -> int:
     return max(4, budget // 4)
 
 
+def request_limit_flags(a) -> list[str]:
+    """The per-request limits of the one server that serves every stage's arms: its largest
+    budget, smallest window, and a grid every budget, window and value_slots is on."""
+    arms = [x for stage in ("greedy", "tf", "sweep", "curve", "sample")
+            for x in stage_arms(stage, a) if x.evicts]
+    values = [x.budget for x in arms] + [x.window for x in arms] + [
+        x.value_slots for x in arms if x.value_slots is not None]
+    return ["--kv-evict-max-budget", str(max([a.budget] + [x.budget for x in arms])),
+            "--kv-evict-min-window", str(min(x.window for x in arms)),
+            "--kv-evict-grid", str(math.gcd(*values))]
+
+
 def gates_id(path) -> str:
     """Short content hash of a retention gates file: names the trimkv arms it serves."""
     import hashlib
@@ -291,7 +304,7 @@ class Harness:
             window = max([window_for(b) for b in self.a.sweep + self.a.curve] + [self.a.window])
             return (["--kv-evict-policy", QUERY_POLICY, "--kv-evict-budget", str(self.a.budget),
                      "--kv-evict-window", str(window), "--kv-evict-seed", str(self.a.seed)]
-                    + self.gates_flags())
+                    + request_limit_flags(self.a) + self.gates_flags())
         (setting,) = {x.setting for x in arms}
         if not arms[0].evicts:
             return []
