@@ -113,9 +113,11 @@ def check_limits(changes: dict, cfg: EvictionConfig, server: EvictionConfig,
                         f"({flag_name(MIN_WINDOW)}); got {cfg.window}")
     for field in ("budget", "window", "value_slots"):
         value = changes.get(field)
-        if value is not None and value != getattr(server, field) and value % limits.grid:
-            _fail(field, f"must be a multiple of {limits.grid} ({flag_name(GRID)}) or the "
-                         f"server's value {getattr(server, field)}; got {value}")
+        own = getattr(server, field)
+        if value is not None and value != own and value % limits.grid:
+            _fail(field, f"must be a multiple of {limits.grid} ({flag_name(GRID)})"
+                         + ("" if own is None else f" or the server's value {own}")
+                         + f"; got {value}")
     most_sinks = max(server.sinks, limits.grid)
     if cfg.sinks > most_sinks:
         _fail("sinks", f"must be <= {most_sinks} (the server's sinks or {flag_name(GRID)}, "
