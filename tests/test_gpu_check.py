@@ -74,6 +74,9 @@ def test_cpu_self_test_runs_every_section_without_sglang(tmp_path):
     assert {r["kernel"] for r in kernels} >= {"value_range", "window_attention", "cur_leverage",
                                               "compact_kv"}  # + window_attention_softcap
     assert all(r["ok"] for r in kernels)
+    selections = sections["kernels"]["selections"]  # triton vs torch kept sets, per policy
+    assert [r["policy"] for r in selections] == list(gpu_check.SELECTION_POLICIES)
+    assert all(r["ok"] and r["agreement_min"] >= gpu_check.KEPT_AGREEMENT for r in selections)
     hf = sections["hf_reference"]
     assert {r["policy"] for r in hf["runs"]} == set(gpu_check.HF_POLICIES)
     assert all(r["tokens_equal"] and r["rounds"] >= 1 for r in hf["runs"])

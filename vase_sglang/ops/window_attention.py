@@ -191,11 +191,12 @@ def interpreted() -> bool:
     return triton is not None and not isinstance(_window_lse_kernel, triton.runtime.jit.JITFunction)
 
 
-def dot_mode(*dtypes: torch.dtype) -> tuple[bool, str]:
+def dot_mode(*dtypes: torch.dtype, interpreter: bool | None = None) -> tuple[bool, str]:
     """(UPCAST, PRECISION) of the kernels' tl.dot for operands of these dtypes: bf16 / fp16
     (all the same) go to the tensor cores as they are; fp32 or mixed are upcast to fp32 and
-    use tf32x3; in the interpreter everything is upcast ("ieee", which it computes anyway)."""
-    if interpreted():
+    use tf32x3; in the interpreter (default: whether this process's kernels are interpreted)
+    everything is upcast, "ieee" (which it computes anyway)."""
+    if interpreted() if interpreter is None else interpreter:
         return True, "ieee"
     if len(set(dtypes)) == 1 and dtypes[0] in (torch.bfloat16, torch.float16):
         return False, "tf32"  # ignored for 16-bit operands
