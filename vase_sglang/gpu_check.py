@@ -7,6 +7,10 @@ Sections, in order (each records its own status; a failing one does not stop the
 
   environment    versions, the device, and a device-to-device copy's bandwidth (the yardstick of
                  the eviction step's bandwidth)
+  warm_up        vase_sglang.warmup on Qwen3-4B's attention shapes (every policy, trimkv's side
+                 buffers, 16-token pages), twice in fresh processes sharing an empty Triton
+                 cache directory: a first start (compiling) and a restart (the on-disk
+                 cache); each then runs warmup.probe's steps, which must compile nothing
   kernels        every Triton kernel against its torch reference: at the shapes of
                  benchmarks/kernels.py (Qwen3-4B, T = 2048) with timings, and every dtype x head
                  dim that vase_sglang.ops.aot compiles (bf16/fp16/fp32 x 64/128/256); scores
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("environment", "kernels", "graph_capture", "hf_reference", "eviction_step")
+SECTIONS = ("environment", "warm_up", "kernels", "graph_capture", "hf_reference", "eviction_step")
 # Scores of the Triton kernels against their fp32 torch references (docs/gpu.md, "Tolerances"):
 # on a GPU the dots run on tensor cores (bf16/fp16 operands as they are, fp32 as tf32x3, fp32
 # accumulation in the MMA's own order and rounding, unknown until a GPU runs), so rtol 1e-3:
@@ -401,6 +405,45 @@ def kernels(ctx) -> dict:
             "benchmark_shapes": bench.__dict__, "rows": rows, "selections": selections}
 
 
+def warm_up(ctx) -> dict:
+    """`python -m vase_sglang.warmup` in two fresh processes (nothing compiled in memory) that
+    share a fresh TRITON_CACHE_DIR: "first_start" compiles every kernel, "restart" finds them in
+    the on-disk cache, as a server started again on the same machine would. Each then runs
+    warmup.probe (other candidate counts, per-request budgets, windows, policies, chunk
+    layouts): failed if a probe step compiled anything or a policy failed. On CPU (the
+    self-test) the torch backend runs: one cheap step, nothing compiles."""
+    cache = tempfile.mkdtemp(prefix="vase-triton-cache-")
+    result, failed = {"triton_cache_dir": "fresh (empty) for this section"}, []
+    for run in ("first_start", "restart"):
+        out = Path(tempfile.mkdtemp()) / "warmup.json"
+        cmd = [sys.executable, "-m", "vase_sglang.warmup", "--device", str(ctx.device),
+               "--json", str(out)] + (["--quick"] if ctx.quick else [])
+        env = _child_env(ctx)
+        env["TRITON_CACHE_DIR"] = cache
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=max(10.0, min(240.0, ctx.remaining() - 5)))
+        except subprocess.TimeoutExpired:
+            result[run] = {"error": "timed out", "command": cmd}
+            failed.append(run)
+            break
+        row = {"returncode": proc.returncode, "process_seconds": round(time.perf_counter() - start, 2),
+               "stdout_tail": proc.stdout[-1000:], "stderr_tail": proc.stderr[-2000:]}
+        if out.exists():
+            data = json.loads(out.read_text())
+            wu, probe = data["warm_up"], data["probe"]
+            row.update(warm_up_seconds=wu["seconds"], compiled=wu["compiled"], backend=wu["backend"],
+                       policies=wu["policies"], steps=wu["steps"], errors=wu["errors"],
+                       probe_steps=probe["steps"], probe_compiled=probe["compiled"],
+                       probe_seconds=probe["seconds"], shapes=data["shapes"],
+                       config=data["config"], server=data["server"])
+        if proc.returncode != 0 or not out.exists():
+            failed.append(run)
+        result[run] = row
+    return {"status": "failed" if failed else "ok", "failed": failed, **result}
+
+
 def graph_capture(ctx) -> dict:
     try:
         from vase_sglang.capture import graph_capture_check
@@ -535,7 +578,8 @@ class Context:
         return self.deadline - time.monotonic()
 
 
-RUNNERS = {"environment": environment, "kernels": kernels, "graph_capture": graph_capture,
+RUNNERS = {"environment": environment, "warm_up": warm_up, "kernels": kernels,
+           "graph_capture": graph_capture,
            "hf_reference": hf_reference, "eviction_step": eviction_step}
 
 

@@ -52,7 +52,11 @@ if triton is not None:
     # chunk c touches only chunk c of rows whose chunk c was read; later blocks read rows
     # keep[j'] >= j' past every destination of this one). Chunks of D keep the block's
     # registers small (the whole [BLOCK_J, D] of K and V, with 64-bit addresses, spilled).
-    @triton.jit
+    # Not specialised on what changes between steps (vase_sglang/warmup.py): the kept count and
+    # the strides it and n give, nor the alignment of the pointer tables (a chunk of layers
+    # starts at an offset of them) or of the slots (the paged copy passes a column slice).
+    @triton.jit(do_not_specialize=["num_kept", "s_slot_b", "s_keep_b", "s_keep_l", "s_keep_h"],
+                do_not_specialize_on_alignment=["k_table", "v_table", "slots", "keep"])
     def _compact_kernel(
         k_table, v_table, slots, keep, num_kept, d,
         s_slot_b, s_slot_n, s_keep_b, s_keep_l, s_keep_h, s_keep_k, s_buf_s, s_buf_h, s_buf_d,

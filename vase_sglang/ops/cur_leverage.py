@@ -40,7 +40,9 @@ if triton is not None:
     #       inside the tolerance, where G rounded once to bf16 (2^-9) would not be. (fp16 keys:
     #       G must fit fp16's range, |G| < 65504; the policies' N(0, 1/r) entries do.)
     #   fp32 (or K and V of different dtypes)  fp32 operands with tf32x3, as window attention.
-    @triton.jit
+    # Not specialised on the candidate count (vase_sglang/warmup.py); the batch strides of K
+    # and V (n H D) are, as window attention's: vectorised loads.
+    @triton.jit(do_not_specialize=["n", "sp_b"])
     def _cur_leverage_kernel(
         keys, values, proj, out, h, n, d, r,
         sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sp_b, sp_d, sp_r,

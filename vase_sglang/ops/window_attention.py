@@ -125,7 +125,12 @@ if triton is not None:
 
     # Pass 1 fuses QK^T with an online softmax over n: it keeps, per window query, a running max
     # and sum instead of materialising the [H_q, W, n] logits; it writes log2-sum-exp2 per row.
-    @triton.jit
+    # The candidate count and a per-request window are not specialised on, so one compilation
+    # per server serves every step (vase_sglang/warmup.py). The batch strides sq_b = W H_q D
+    # and sk_b = n H D still are: their divisibility by 16 lets the loads vectorise (without
+    # it ptxas spilled), and it does not change with n or W where H D and H_q D are multiples
+    # of 16 (every head dim compiled here).
+    @triton.jit(do_not_specialize=["rows", "w", "n"])
     def _window_lse_kernel(
         q, k, lse, rows, w, n, d, group, h_kv, qk_scale, softcap, scale_log2,
         sq_b, sq_h, sq_w, sq_d, sk_b, sk_h, sk_n, sk_d,
@@ -154,7 +159,7 @@ if triton is not None:
     # program recomputes the probabilities of a block of keys plus a halo of HALF keys per side
     # (zero outside [0, n), which is the pool's zero padding), then pools them with a banded
     # [BLOCK_N, BLOCK_N] matrix and writes only the interior, so no [H_q, W, n] tensor exists.
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows", "w", "n"])
     def _window_score_kernel(
         q, k, lse, out, rows, w, n, d, group, h_kv, qk_scale, softcap, scale_log2,
         sq_b, sq_h, sq_w, sq_d, sk_b, sk_h, sk_n, sk_d,
