@@ -212,8 +212,8 @@ def dot_mode(*dtypes: torch.dtype, interpreter: bool | None = None) -> tuple[boo
 # a time, per operand width; chosen so that no kernel spills at D 64 / 128 / 256 on sm_80 / 90 /
 # 100 in bf16, fp16 and fp32, soft-capped or not (vase_sglang.ops.aot --strict; docs/gpu.md).
 # maxnreg (PTX .maxnreg): without it ptxas picks a register target of its own (128 or 168 for
-# 128 threads) and spilled 2-7 instructions in some of these 108 specialisations; with it, it
-# takes the registers it needs (at most 205 here, none spilled).
+# 128 threads) and spilled 2-10 instructions in a few of these 108 specialisations; with it,
+# it takes the registers it needs (at most 205 here, none spilled).
 TILES = {
     2: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, num_warps=4, num_stages=3, maxnreg=255),
     4: dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=16, num_warps=4, num_stages=2, maxnreg=255),
