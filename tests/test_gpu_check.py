@@ -74,11 +74,20 @@ def test_cpu_self_test_runs_every_section_without_sglang(tmp_path):
     assert {r["kernel"] for r in kernels} >= {"value_range", "window_attention", "cur_leverage",
                                               "compact_kv"}  # + window_attention_softcap
     assert all(r["ok"] for r in kernels)
+    selections = sections["kernels"]["selections"]  # triton vs torch kept sets, per policy
+    assert [r["policy"] for r in selections] == list(gpu_check.SELECTION_POLICIES)
+    assert all(r["ok"] and r["agreement_min"] >= gpu_check.KEPT_AGREEMENT for r in selections)
     hf = sections["hf_reference"]
     assert {r["policy"] for r in hf["runs"]} == set(gpu_check.HF_POLICIES)
     assert all(r["tokens_equal"] and r["rounds"] >= 1 for r in hf["runs"])
     step = sections["eviction_step"]
     assert step["check"] and all(c["ok"] for c in step["check"])
+    # The warm-up section: on CPU the torch backend, one step, nothing compiled, both runs.
+    warm = sections["warm_up"]
+    for run in ("first_start", "restart"):
+        assert warm[run]["backend"] == "torch" and warm[run]["steps"] == 1, warm
+        assert warm[run]["compiled"] == {} and warm[run]["probe_compiled"] == {}, warm
+        assert warm[run]["probe_steps"] > 40 and not warm[run]["errors"], warm
     # CUDA graphs exist only on CUDA: recorded as skipped (or missing without capture.py).
     assert sections["graph_capture"]["status"] in ("skipped", "missing")
 

@@ -1,10 +1,24 @@
 """Triton kernels against their torch references, run on CPU under the Triton interpreter.
 
-Tolerances: value_range and compaction must be bit-exact (max/min and a copy round nothing);
-window-attention and CUR scores use rtol 1e-4, atol 1e-6 (scores are probabilities of order
-1/n; the kernels only reorder fp32 sums and fold the 1/sqrt(D) scale into an exp2).
-bf16 inputs are loaded as bf16 and upcast to fp32 inside the kernels, so they get the same
-tolerances as fp32.
+What the interpreter can and cannot show. On a GPU the scoring kernels' dots run on tensor
+cores: bf16 / fp16 operands as they are, fp32 through tf32x3, fp32 accumulation (docs/gpu.md).
+Triton's interpreter cannot multiply bf16 blocks (it stores bf16 as uint16 and multiplies the bit
+patterns: test_the_interpreter_cannot_multiply_bf16_blocks) and ignores input_precision, so
+under it the kernels upcast their operands and sum in fp32 (`dot_mode`). Upcasting a bf16 or
+fp16 operand is exact, and so is a product of two of them in fp32, so the interpreter computes
+the very products the MMA does: the tests below check the kernels' indexing, head-dim tiling,
+masking, the split of CUR's projection into two 16-bit halves, and everything after the dot. They
+cannot show the MMA's own accumulation order and rounding, nor tf32x3's rounding: those are
+modelled in torch (test_tensor_core_arithmetic_*, by rewriting the operands: tf32x3 as a dot of
+concatenated high / remainder parts, the projection as its two halves) and measured on a GPU by
+vase_sglang.gpu_check, at its GPU tolerance.
+
+Tolerances here: value_range and compaction must be bit-exact (max/min and a copy round nothing);
+window-attention and CUR scores use rtol 1e-4, atol 1e-6 (scores are probabilities of order 1/n;
+in the interpreter the kernels only reorder fp32 sums and fold the 1/sqrt(D) scale into an
+exp2). Selections downstream: select_tokens with VASE_KERNELS=triton and =torch must share at
+least gpu_check.KEPT_AGREEMENT of each row's kept tokens, every difference a near tie
+(test_selections_*).
 """
 
 import os
@@ -15,10 +29,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import vase_sglang.ops as ops  # noqa: E402
+from vase_sglang import EvictionConfig, gpu_check  # noqa: E402
 from vase_sglang.ops.compact import compact_kv_reference_, compact_kv_triton_  # noqa: E402
 from vase_sglang.ops.cur_leverage import cur_leverage_reference, cur_leverage_triton  # noqa: E402
 from vase_sglang.ops.value_range import value_range_reference, value_range_triton  # noqa: E402
 from vase_sglang.ops.window_attention import (  # noqa: E402
+    dot_mode,
+    interpreted,
     window_attention_reference,
     window_attention_triton,
 )
@@ -302,3 +319,161 @@ def test_dispatch_runs_triton(monkeypatch):
     compact_kv_reference_(expected[:2], expected[2:], slots, keep)
     ops.compact_kv_(bufs[:2], bufs[2:], slots, keep)
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(bufs, expected))
+
+
+# ---------------------------------------------------------------- tensor cores vs the interpreter
+
+
+def test_the_interpreter_cannot_multiply_bf16_blocks():
+    """Why the kernels upcast under TRITON_INTERPRET=1 (triton-lang/triton#11584, "not supported
+    yet"): a bf16 tl.dot in Triton 3.8's interpreter multiplies the uint16 bit patterns. If this
+    starts failing, the interpreter learned bf16 dots: dot_mode could then pass bf16 operands
+    as they are, and the CPU suite would run the GPU's operand path."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot16(a, b, out):
+        i = tl.arange(0, 16)
+        x = tl.load(a + i[:, None] * 16 + i[None, :])
+        y = tl.load(b + i[:, None] * 16 + i[None, :])
+        tl.store(out + i[:, None] * 16 + i[None, :], tl.dot(x, y))
+
+    a, b = _randn(16, 16, dtype=torch.bfloat16, seed=40), _randn(16, 16, dtype=torch.bfloat16, seed=41)
+    out = torch.empty(16, 16)
+    dot16[(1,)](a, b, out)
+    assert (out - a.float() @ b.float()).abs().max() > 1e3  # bit patterns, not values
+    fp16 = torch.empty(16, 16)
+    dot16[(1,)](a.half(), b.half(), fp16)  # fp16 is a numpy dtype: multiplied as values
+    torch.testing.assert_close(fp16, a.half().float() @ b.half().float(), rtol=1e-5, atol=1e-5)
+
+
+def test_dot_mode():
+    assert interpreted()  # TRITON_INTERPRET=1 before the kernels were defined
+    for dtypes in ((torch.bfloat16,) * 2, (torch.float16,) * 2, (torch.float32,) * 2):
+        assert dot_mode(*dtypes) == (True, "ieee")
+    gpu = dict(interpreter=False)
+    assert dot_mode(torch.bfloat16, torch.bfloat16, **gpu) == (False, "tf32")  # tf32: ignored
+    assert dot_mode(torch.float16, torch.float16, **gpu) == (False, "tf32")
+    assert dot_mode(torch.float32, torch.float32, **gpu) == (True, "tf32x3")
+    assert dot_mode(torch.bfloat16, torch.float32, **gpu) == (True, "tf32x3")
+    assert dot_mode(torch.bfloat16, torch.float16, **gpu) == (True, "tf32x3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_window_attention_mixed_and_fp16_operands(dtype):
+    # queries in another dtype than keys take the fp32 path; fp16 the 16-bit tiles
+    q = _randn(2, 4, 8, 96, dtype=dtype, seed=42, scale=2.0)
+    k = _randn(2, 2, 70, 96, dtype=torch.float16, seed=43, scale=2.0)
+    torch.testing.assert_close(window_attention_triton(q, k), window_attention_reference(q, k),
+                               **SCORE_TOL)
+
+
+def _tf32(x):
+    """Round to tf32 (10 explicit mantissa bits, nearest even), as fp32 values."""
+    bits = x.float().view(torch.int32)
+    bits = (bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF
+    return bits.view(torch.float32)
+
+
+def _tf32x3_operands(q, k):
+    """q, k with q' . k' = hi_q.hi_k + hi_q.lo_k + lo_q.hi_k: the three tf32 MMAs of tf32x3
+    (hi = tf32(x), lo = tf32(x - hi)), as one fp32 dot over 3D."""
+    qh, kh = _tf32(q), _tf32(k)
+    ql, kl = _tf32(q.float() - qh), _tf32(k.float() - kh)
+    return torch.cat([qh, qh, ql], -1), torch.cat([kh, kl, kh], -1)
+
+
+def _relative(a, b):
+    return float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+
+
+def _agreement(a, b, k):
+    """Smallest fraction of a row's top-k that two scores share."""
+    n = a.shape[-1]
+    ka, kb = gpu_check.kept_mask(a.topk(k, -1).indices, n), gpu_check.kept_mask(b.topk(k, -1).indices, n)
+    return float(((ka & kb).sum(-1).float() / k).min())
+
+
+def test_tensor_core_arithmetic_of_fp32_window_attention():
+    """The fp32 choice (docs/gpu.md), on CPU by rewriting the operands: tf32x3 stays ~1e-6 of
+    the fp32 reference, far inside the GPU tolerance (gpu_check.GPU_SCORE_TOL) and keeping every
+    top-k set; plain tf32 and a bf16 downcast use most or all of that tolerance and change kept
+    tokens. The GPU tolerance and KEPT_AGREEMENT sit between the two."""
+    d, n = 128, 1024
+    q = _randn(2, 32, 64, d, seed=44, scale=1.5)
+    k = _randn(2, 8, n, d, seed=45, scale=1.5)
+    ref = window_attention_reference(q, k)
+    scaled = dict(scaling=d**-0.5)  # the operands below are longer than D
+    tf32x3 = window_attention_reference(*_tf32x3_operands(q, k), **scaled)
+    tf32 = window_attention_reference(_tf32(q), _tf32(k), **scaled)
+    bf16 = window_attention_reference(q.bfloat16().float(), k.bfloat16().float(), **scaled)
+    keep = n // 2
+    assert _relative(tf32x3, ref) < 1e-5
+    torch.testing.assert_close(tf32x3, ref, **gpu_check.GPU_SCORE_TOL)
+    assert _agreement(tf32x3, ref, keep) == 1.0
+    assert _relative(tf32, ref) > 1e-4 and _relative(bf16, ref) > 1e-3
+    assert gpu_check.KEPT_AGREEMENT <= _agreement(tf32, ref, keep) < 1.0
+    assert _agreement(bf16, ref, keep) < 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_arithmetic_of_cur_leverage(dtype):
+    """16-bit K and V with the fp32 projection split into two halves of K's dtype (what the
+    kernel does before its MMAs): ~1e-5 of the reference at bf16, every top-k set kept; the
+    projection rounded once to K's dtype would not be."""
+    d, n = 128, 1024
+    k = _randn(2, 8, n, d, dtype=dtype, seed=46, scale=1.5)
+    v = _randn(2, 8, n, d, dtype=dtype, seed=47)
+    g = _randn(2, d, 20, seed=48) / 20**0.5
+    ref = cur_leverage_reference(k, v, g)
+    hi = g.to(dtype)
+    lo = (g - hi.float()).to(dtype)
+    split = cur_leverage_reference(k, v, hi.float() + lo.float())  # K G_hi + K G_lo, exact sum
+    once = cur_leverage_reference(k, v, hi.float())
+    assert _relative(split, ref) < 2e-5
+    torch.testing.assert_close(split, ref, **gpu_check.GPU_SCORE_TOL)
+    assert _agreement(split, ref, n // 2) == 1.0
+    assert _relative(once, ref) > 10 * _relative(split, ref)
+
+
+# ---------------------------------------------------------------- selections downstream
+
+
+def _candidates(dtype, seed, b=2, l=2, h=2, group=2, w=8, n=131, d=64):
+    keys = _randn(b, l, h, n, d, dtype=dtype, seed=seed, scale=1.5)
+    values = _randn(b, l, h, n, d, dtype=dtype, seed=seed + 1)
+    queries = _randn(b, l, h * group, w, d, dtype=dtype, seed=seed + 2, scale=1.5)
+    ids = dict(request=torch.arange(b)[:, None], layer=torch.arange(l)[None, :])
+    return keys, values, queries, ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("policy", ["snapkv", "vase-attnv", "vase-dkv", "curdkv", "rkv"])
+def test_selections_agree_with_the_torch_backend(policy, dtype):
+    """select_tokens on Triton (interpreted) against torch: at least KEPT_AGREEMENT of every
+    row's kept tokens shared, every difference a near tie. Here (fp32 sums on both sides) the
+    rows are in fact identical."""
+    keys, values, queries, ids = _candidates(dtype, seed=50)
+    cfg = EvictionConfig(policy=policy, budget=131 // 2 + 8, window=8, sinks=2, seed=3)
+    result = gpu_check.selection_agreement(cfg, keys, values, queries, **ids)
+    assert result["ok"], result
+    assert result["agreement_min"] == 1.0 and result["unexplained"] == 0, result
+
+
+def test_selection_agreement_fails_a_wrong_score(monkeypatch):
+    """Negative control: a window attention that scores each key with its neighbour's key
+    (rolled by one; the pooling keeps neighbours alike) shares only ~80% of the kept tokens, far
+    below KEPT_AGREEMENT, and the differences are not near ties."""
+    import importlib
+
+    wa_module = importlib.import_module("vase_sglang.ops.window_attention")  # not the function
+
+    def shifted(queries, keys, **kwargs):
+        return window_attention_reference(queries, keys.roll(1, dims=-2), **kwargs)
+
+    monkeypatch.setattr(wa_module, "window_attention_triton", shifted)
+    keys, values, queries, ids = _candidates(torch.float32, seed=51)
+    cfg = EvictionConfig(policy="snapkv", budget=131 // 2 + 8, window=8, sinks=2)
+    result = gpu_check.selection_agreement(cfg, keys, values, queries, **ids)
+    assert not result["ok"] and result["agreement_min"] < 0.9 and result["unexplained"] > 0, result

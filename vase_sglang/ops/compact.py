@@ -46,9 +46,17 @@ if triton is not None:
 
     # Fuses the gather and scatter of K and V for every (request, layer, head) into one launch:
     # the per-layer buffers are separate allocations, so the kernel reads each layer's base
-    # address from a pointer table. One program per (b, l, h) walks j in blocks and reads the
-    # whole block of K and V sources before writing it, which is safe in place since keep[j] >= j.
-    @triton.jit
+    # address from a pointer table. One program per (b, l, h) walks j in blocks of BLOCK_J and,
+    # within a block, the head dim in chunks of BLOCK_D: it reads the chunk of every source row
+    # of the block before writing it, which is safe in place since keep[j] >= j (a write of
+    # chunk c touches only chunk c of rows whose chunk c was read; later blocks read rows
+    # keep[j'] >= j' past every destination of this one). Chunks of D keep the block's
+    # registers small (the whole [BLOCK_J, D] of K and V, with 64-bit addresses, spilled).
+    # Not specialised on what changes between steps (vase_sglang/warmup.py): the kept count and
+    # the strides it and n give, nor the alignment of the pointer tables (a chunk of layers
+    # starts at an offset of them) or of the slots (the paged copy passes a column slice).
+    @triton.jit(do_not_specialize=["num_kept", "s_slot_b", "s_keep_b", "s_keep_l", "s_keep_h"],
+                do_not_specialize_on_alignment=["k_table", "v_table", "slots", "keep"])
     def _compact_kernel(
         k_table, v_table, slots, keep, num_kept, d,
         s_slot_b, s_slot_n, s_keep_b, s_keep_l, s_keep_h, s_keep_k, s_buf_s, s_buf_h, s_buf_d,
@@ -61,24 +69,25 @@ if triton is not None:
         v_buf = tl.load(v_table + layer).to(tl.pointer_type(WORD))
         keep_row = keep + b * s_keep_b + layer * s_keep_l + head * s_keep_h
         slot_row = slots + b * s_slot_b
-        dd = tl.arange(0, BLOCK_D)
         for j0 in range(0, num_kept, BLOCK_J):
             j = j0 + tl.arange(0, BLOCK_J)
             j_ok = j < num_kept
             src_idx = tl.load(keep_row + j * s_keep_k, mask=j_ok, other=0)
             src = tl.load(slot_row + src_idx * s_slot_n, mask=j_ok, other=0).to(tl.int64)
             dst = tl.load(slot_row + j * s_slot_n, mask=j_ok, other=0).to(tl.int64)
-            mask = j_ok[:, None] & (dd[None, :] < d)
-            col = head * s_buf_h + dd[None, :] * s_buf_d
-            src_off = src[:, None] * s_buf_s + col
-            dst_off = dst[:, None] * s_buf_s + col
-            k_rows = tl.load(k_buf + src_off, mask=mask)
-            v_rows = tl.load(v_buf + src_off, mask=mask)
-            # keep[j'] may equal some j of this same block: every thread's reads must land
-            # before any thread's writes.
-            tl.debug_barrier()
-            tl.store(k_buf + dst_off, k_rows, mask=mask)
-            tl.store(v_buf + dst_off, v_rows, mask=mask)
+            src_row = src[:, None] * s_buf_s + head * s_buf_h
+            dst_row = dst[:, None] * s_buf_s + head * s_buf_h
+            for d0 in range(0, d, BLOCK_D):
+                dd = d0 + tl.arange(0, BLOCK_D)
+                mask = j_ok[:, None] & (dd[None, :] < d)
+                col = dd[None, :] * s_buf_d
+                k_rows = tl.load(k_buf + src_row + col, mask=mask)
+                v_rows = tl.load(v_buf + src_row + col, mask=mask)
+                # keep[j'] may equal some j of this same block: every thread's reads of this
+                # chunk must land before any thread's writes of it.
+                tl.debug_barrier()
+                tl.store(k_buf + dst_row + col, k_rows, mask=mask)
+                tl.store(v_buf + dst_row + col, v_rows, mask=mask)
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
@@ -122,5 +131,5 @@ def compact_kv_triton_(
     _compact_kernel[(num_req, num_layers, num_heads)](
         k_table, v_table, slots, keep, num_kept, d,
         *slots.stride(), *keep.stride(), *first.stride(),
-        WORD=_WORD[first.element_size()], BLOCK_J=32, BLOCK_D=triton.next_power_of_2(d),
+        WORD=_WORD[first.element_size()], BLOCK_J=32, BLOCK_D=min(32, triton.next_power_of_2(d)),
     )

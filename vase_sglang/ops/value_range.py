@@ -21,7 +21,9 @@ if triton is not None:
 
     # Fuses the upcast, max and min over D into one read of V (the torch version makes an fp32
     # copy and reads it twice); each program handles BLOCK_R rows of the [rows, D] view.
-    @triton.jit
+    # rows (requests x layers x candidates x heads) is not specialised on: it changes with every
+    # step's candidate count (vase_sglang/warmup.py).
+    @triton.jit(do_not_specialize=["rows"])
     def _value_range_kernel(
         values, out, rows, d, stride_row, stride_d, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
     ):
