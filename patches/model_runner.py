@@ -181,6 +181,7 @@ def after_post_pool(result, model_runner):
                     retention.log_beta[0].shape[0], pool.head_num, len(pool.k_buffer),
                     sum(t.numel() * 4 for t in (retention.w1, retention.b1, retention.w2,
                                                 retention.b2)) / 2**20)
+    _warm_up(runtime.RUNTIME)
     output.enable_in_scheduler()
     ring = 0 if queries is None else queries.numel() * queries.element_size()
     rows_mb = 0 if token_rows is None else token_rows.numel() * token_rows.element_size() / 2**20
@@ -193,6 +194,17 @@ def after_post_pool(result, model_runner):
         workspace.size / 2**20, workspace.buffer_bytes / 2**20, workspace.headroom / 2**20,
         head_offset, attention,
     )
+
+
+def _warm_up(rt) -> None:
+    """Compile every kernel the eviction step can launch now, on scratch tensors, rather than
+    inside the first eviction with every running request waiting (vase_sglang/warmup.py)."""
+    from vase_sglang.warmup import warm_up
+
+    done = warm_up(rt.cfg, rt.shapes, rt.k_buffers[0].device, attention=rt.attention,
+                   head_offset=rt.kv_head_offset, retention=rt.retention is not None,
+                   page_size=rt.page_size)
+    (logger.warning if done["errors"] else logger.info)("VaSE %s", done["summary"])
 
 
 def _retention_buffers(model_runner, pool, head_offset: int):
