@@ -457,24 +457,33 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("policy,page_size,budget,window", [
-    *[(p, 1, 40, 8) for p in BUILT_IN],
+@pytest.mark.parametrize("policy,page_size,budget,window,streamed", [
+    *[(p, 1, 40, 8, False) for p in BUILT_IN],
     # paged: the newest window moved by pages (48 / 16) or copied (40 / 16)
-    ("vase-attnv", 16, 48, 16), ("vase-attnv", 16, 40, 16), ("snapkv", 16, 40, 16)])
+    ("vase-attnv", 16, 48, 16, False), ("vase-attnv", 16, 40, 16, False),
+    ("snapkv", 16, 40, 16, False),
+    # candidates streamed 16 at a time (a workspace that holds no unit at once)
+    *[(p, 1, 40, 8, True) for p in BUILT_IN if p not in ("random", "streaming")]])
 def test_step_makes_no_blocking_host_copies_and_reads_nothing_back(policy, page_size, budget,
-                                                                  window, monkeypatch):
+                                                                  window, streamed, monkeypatch):
     """The whole step on meta tensors (a device value cannot be read on meta at all), with
     torch.tensor / as_tensor of host data onto the device forbidden: those are synchronising
     copies from pageable memory (the step stages through pinned buffers instead)."""
-    cfg = EvictionConfig(policy=policy, budget=budget, window=window)
+    cfg = EvictionConfig(policy=policy, budget=budget, window=window,
+                         value_slots=4 if policy == "trimkv" and streamed else None)
     shape = dict(layers=3, kv_heads=2, q_heads=6, head_dim=16, dtype=torch.bfloat16)
     shapes = KVShapes(2, 6, 16, torch.bfloat16, torch.bfloat16, window)
     prefix = 3 if page_size == 1 else 2 * page_size  # the tree owns whole pages
+    workspace = _meta_workspace(cfg, shapes, "cuda")
+    if streamed:
+        cost = runtime.step_cost(cfg, shapes, cfg.budget, "cuda", 16)
+        workspace = Workspace(torch.empty(cost.buffer(1, 1), dtype=torch.uint8, device="meta"),
+                              runtime.group_bytes(5) + cost.temporaries(1, 1))
     rt, batch = _step(cfg, **shape, requests=5, device="meta", prefix=prefix,
-                      page_size=page_size, workspace=_meta_workspace(cfg, shapes, "cuda"))
+                      page_size=page_size, workspace=workspace)
     rt.device_type = "cuda"
     monkeypatch.setattr(runtime, "RUNTIME", rt)
-    runtime.step_cost(cfg, rt.shapes, cfg.budget, "cuda")  # plan traces are host-only
+    assert (rt._plan(cfg, cfg.budget, 5).chunk == 16) == streamed  # plan traces are host-only
     from vase_sglang.ops.compact import pointer_table
 
     side = () if rt.retention is None else (rt.retention.log_beta, rt.retention.position)
