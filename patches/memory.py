@@ -112,12 +112,14 @@ def around_profile(original, self, *args, **kwargs):
     if not layers:
         return available
     shapes = kv_shapes(layers, self.kv_cache_dtype, cfg.window, self.model_dtype)
-    buffer, headroom, units = workspace_bytes(cfg, shapes, torch.device(self.device).type)
-    available -= buffer + headroom
+    size = workspace_bytes(cfg, shapes, torch.device(self.device).type,
+                           max_candidates=self.model_config.context_len)
+    available -= size.buffer + size.headroom
     logger.info(
         "VaSE eviction workspace: reserving %.1f MiB (%.1f MiB buffer for gathered K/V and "
-        "queries, %.1f MiB for score temporaries; %d requests x 1 layer per chunk at budget %d)%s",
-        (buffer + headroom) / 2**20, buffer / 2**20, headroom / 2**20, units, cfg.budget,
+        "queries, %.1f MiB for score temporaries; holds %s; budget %d)%s",
+        (size.buffer + size.headroom) / 2**20, size.buffer / 2**20, size.headroom / 2**20,
+        size.describe(), cfg.budget,
         "" if cfg.workspace_mb else "; set --kv-evict-workspace-mb to choose",
     )
     kv_per_token = len(layers) * 2 * shapes.kv_heads * shapes.head_dim * shapes.kv_dtype.itemsize

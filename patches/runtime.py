@@ -41,13 +41,15 @@ import time
 import zlib
 from array import array
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from vase_sglang import EvictionConfig, capture, ops
 from vase_sglang.policies import POLICIES, AttentionParams
-from vase_sglang.workspace import (ChunkCost, KVShapes, Workspace, chunk_cost, evict_chunk,
-                                   plan_chunks, size_workspace)
+from vase_sglang.workspace import (MIN_CANDIDATE_CHUNK, STREAM_CHUNK, ChunkCost, KVShapes,
+                                   StepPlan, Workspace, chunk_cost, evict_chunk, plan_step,
+                                   size_workspace)
 
 from . import metrics, request_control
 from .settings import RequestLimits
@@ -286,14 +288,19 @@ class EvictionRuntime:
             # True length L: the newest query written is at position L - 1.
             [r.kv.kv_allocated_len + pos_offset(r) - cfg.window for r in reqs],
         )
-        # Stream over chunks of requests and, inside, chunks of layers, so the gathers and
-        # score temporaries stay inside the workspace (vase_sglang/workspace.py).
-        b_chunk, l_chunk = self._plan(cfg, n, len(reqs))
+        # Stream over chunks of requests and, inside, chunks of layers (and, for long caches,
+        # chunks of candidates), so the gathers and score temporaries stay inside the
+        # workspace (vase_sglang/workspace.py). None: this policy cannot run in it: skipped.
+        plan = self._plan(cfg, n, len(reqs))
+        if plan is None:
+            return 0
+        b_chunk, l_chunk, c_chunk = plan
         k = None
         for r0 in range(0, len(reqs), b_chunk):
             part = slice(r0, r0 + b_chunk)
             kept = self._evict_requests(cfg, n, sinks, l_chunk, rows[part], starts[part],
-                                        request[part], rounds[part], first_query[part])
+                                        request[part], rounds[part], first_query[part],
+                                        candidate_chunk=c_chunk)
             if k is not None and kept != k:
                 raise ValueError(f"policy {cfg.policy!r}: kept {kept} tokens in one chunk, {k} "
                                  "in another")
@@ -320,10 +327,11 @@ class EvictionRuntime:
         return freed * len(reqs)
 
     def _evict_requests(self, cfg, n, sinks, l_chunk, rows, starts, request, rounds,
-                        first_query) -> int:
-        """Every layer of a chunk of requests, l_chunk layers at a time; rewrites their rows
-        and frees their dropped slots (device-only: the allocator's free is a torch.cat on
-        page size 1). Returns how many candidates each request kept."""
+                        first_query, candidate_chunk=None) -> int:
+        """Every layer of a chunk of requests, l_chunk layers at a time (each unit's candidates
+        candidate_chunk at a time where set); rewrites their rows and frees their dropped
+        slots (device-only: the allocator's free is a torch.cat on page size 1). Returns how
+        many candidates each request kept."""
         device = self.req_to_token.device
         cols = starts[:, None] + torch.arange(n + cfg.window, device=device)
         row_slots = self.req_to_token[rows[:, None], cols].long()  # [b, n + R]
@@ -344,6 +352,7 @@ class EvictionRuntime:
                 layer_ids=self.layer_ids, slots=slots, ring_index=ring_index,
                 request=request, rounds=rounds, sinks=sinks, side=side, now=now,
                 attention=self.attention, head_offset=self.kv_head_offset,
+                candidate_chunk=candidate_chunk,
             )
             if k is not None and keep.shape[-1] != k:
                 raise ValueError(f"policy {cfg.policy!r}: kept {keep.shape[-1]} tokens in one "
@@ -379,25 +388,37 @@ class EvictionRuntime:
             # One slot per page: the allocator's free() would dedup with torch.unique, a sync.
             self.allocator.free_page_ids((slots[:, ::self.page_size] // self.page_size).reshape(-1))
 
-    def _plan(self, cfg, n, num_requests) -> tuple[int, int]:
-        """(requests, layers) per chunk for this group, from the workspace size (arithmetic
-        on a cost model measured once per (config, n) on meta tensors)."""
-        cost = step_cost(cfg, self.shapes, n, self.device_type)
+    def _plan(self, cfg, n, num_requests) -> StepPlan | None:
+        """(requests, layers, candidate chunk) per chunk for this group, from the workspace
+        size (arithmetic on a cost model measured once per (config, n) on meta tensors): the
+        plain stage where one (request, layer) unit fits, else the unit's candidates streamed
+        in chunks. Never a plan outside the workspace: where nothing fits, None (logged once)
+        for a policy that cannot stream (a registered one overriding select(), say), an
+        error for one that can (the workspace is sized for the longest private cache:
+        workspace_bytes' max_candidates)."""
         headroom = self.workspace.headroom - group_bytes(num_requests)
-        plan = plan_chunks(cost, num_requests, self.num_layers, self.workspace.buffer_bytes, headroom)
-        if plan is None:
-            # A request larger than the workspace was sized for (a per-request budget above
-            # the server's, or a first eviction of a long private prompt): one unit at a time.
-            need = cost.buffer(1, 1) + cost.temporaries(1, 1)
-            if need not in self._warned:
-                self._warned.add(need)
-                logger.warning(
-                    "eviction step with %d candidates needs %.1f MiB per (request, layer), more "
-                    "than the %.1f MiB workspace: running it one unit at a time, outside the "
-                    "workspace; raise --kv-evict-workspace-mb", n, need / 2**20,
-                    self.workspace.size / 2**20)
-            return 1, 1
-        return plan
+        policy = POLICIES[cfg.policy]
+        plan = plan_step(lambda chunk: step_cost(cfg, self.shapes, n, self.device_type, chunk),
+                         n, num_requests, self.num_layers, self.workspace.buffer_bytes, headroom,
+                         streams=policy.streams())
+        if plan is not None:
+            return plan
+        need = step_cost(cfg, self.shapes, n, self.device_type)
+        need = need.buffer(1, 1) + need.temporaries(1, 1)
+        message = (f"an eviction step of policy {cfg.policy!r} over {n} candidates needs "
+                   f"{need / 2**20:.1f} MiB per (request, layer), more than the "
+                   f"{self.workspace.size / 2**20:.1f} MiB workspace")
+        if policy.streams():
+            raise RuntimeError(f"{message}, even streamed in chunks of "
+                               f"{MIN_CANDIDATE_CHUNK} candidates: the workspace was sized "
+                               "for shorter caches (workspace_bytes' max_candidates)")
+        if (cfg.policy, n) not in self._warned:
+            self._warned.add((cfg.policy, n))
+            logger.error(
+                "%s, and this policy cannot be streamed over candidate chunks (it defines no "
+                "score_streamed): these requests are not evicted this time, their caches "
+                "grow; raise --kv-evict-workspace-mb", message)
+        return None
 
     def _stage(self, *columns: list[int]) -> tuple[torch.Tensor, ...]:
         """Host ints -> int64 device rows, through one pinned buffer and a non-blocking copy:
@@ -516,34 +537,106 @@ def request_bytes(n: int, window: int) -> int:
     return (n + window) * (8 + 4 + 8) + window * 8 * 4 + window * (8 + 4) + n * 8
 
 
-def step_cost(cfg, shapes, n, device_type) -> ChunkCost:
-    """The chunk stage's measured cost plus what each request of a chunk holds around it."""
-    cost = chunk_cost(cfg, shapes, n, device_type)
+def step_cost(cfg, shapes, n, device_type, chunk: int | None = None) -> ChunkCost:
+    """The chunk stage's measured cost plus what each request of a chunk holds around it;
+    chunk: of the streamed stage, candidate chunks of that many tokens."""
+    cost = chunk_cost(cfg, shapes, n, device_type, chunk)
     return dataclasses.replace(cost, per_request=cost.per_request + request_bytes(n, cfg.window))
 
 
+class WorkspaceSize(NamedTuple):
+    """A workspace's size and what it was sized to hold: `units` (request, layer) units of
+    the server's own step per chunk, one unit at `max_budget` candidates at once, and private
+    caches up to `max_candidates` tokens (streamed where a unit does not fit at once;
+    `streams` False: the server's policy cannot stream, longer caches are not evicted)."""
+
+    buffer: int
+    headroom: int
+    units: int
+    max_budget: int
+    max_candidates: int
+    streams: bool
+
+    def describe(self) -> str:
+        longest = f"private caches up to {self.max_candidates} tokens"
+        if self.max_candidates > self.max_budget:
+            longest += (f", streamed in chunks of {STREAM_CHUNK} or more candidates where a "
+                        f"unit does not fit at once" if self.streams else
+                        " at once where they fit (the policy cannot stream over candidates: "
+                        "requests that do not fit are not evicted)")
+        return (f"{self.units} requests x 1 layer per chunk at the server's budget, one "
+                f"(request, layer) at budget {self.max_budget}, {longest}")
+
+
+def streamed_policies(cfg: EvictionConfig) -> list[str]:
+    """The policies a request may choose on a server of `cfg` whose steps can stream: every
+    registered one that streams (Policy.streams), those scoring with queries only where the
+    server records them (request_control)."""
+    queries = POLICIES[cfg.policy].needs_queries
+    return [name for name, policy in POLICIES.items()
+            if policy.streams() and (queries or not policy.needs_queries)]
+
+
 def workspace_bytes(cfg: EvictionConfig, shapes: KVShapes, device_type: str,
-                    max_requests: int = 4096) -> tuple[int, int, int]:
-    """(buffer bytes, headroom bytes, requests per chunk) of this server's eviction workspace,
-    sized for its own step (n = budget candidates, every sink): DEFAULT_UNITS requests of one
-    layer per chunk, or what --kv-evict-workspace-mb holds. `max_requests` bounds the group
-    (its staged ids). Raises ValueError naming the flag if not even one unit fits."""
+                    max_requests: int = 4096, *, max_budget: int | None = None,
+                    max_candidates: int | None = None) -> WorkspaceSize:
+    """(buffer bytes, headroom bytes, requests per chunk, ...) of this server's eviction
+    workspace. It holds, whichever is largest: DEFAULT_UNITS requests of one layer per chunk
+    of its own step (n = budget candidates, every sink) or what --kv-evict-workspace-mb
+    holds; one (request, layer) unit at `max_budget` candidates (default the budget: the
+    largest per-request budget) at once; and, for every policy a request may choose that
+    streams, one unit of `max_candidates` candidates (the longest private cache the server
+    admits, e.g. the model's context length; default max_budget) streamed STREAM_CHUNK
+    candidates at a time. `max_requests` bounds the group (its staged ids). Raises
+    ValueError naming the flag if a requested size cannot hold them."""
+    max_budget = cfg.budget if max_budget is None else max(max_budget, cfg.budget)
+    max_candidates = max_budget if max_candidates is None else max(max_candidates, max_budget)
     cost = step_cost(cfg, shapes, cfg.budget, device_type)
+    also = []
+    if max_budget > cfg.budget:
+        big = step_cost(cfg.replace(budget=max_budget), shapes, max_budget, device_type)
+        also.append((big.buffer(1, 1), big.temporaries(1, 1)))
+    if max_candidates > cfg.budget:
+        for name in streamed_policies(cfg):
+            other = _request_like(cfg, name, max_budget)
+            long = step_cost(other, shapes, max_candidates, device_type, STREAM_CHUNK)
+            also.append((long.buffer(1, 1), long.temporaries(1, 1)))
     group = group_bytes(max_requests)
     requested = None if cfg.workspace_mb is None else cfg.workspace_mb * 2**20 - group
-    buffer, temps, units = size_workspace(cost, requested)
+    buffer, temps, units = size_workspace(cost, requested, also=also)
     if units < 1:
-        need = cost.buffer(1, 1) + cost.temporaries(1, 1) + group
+        need = (max([cost.buffer(1, 1), *(b for b, _ in also)]) + group
+                + max([cost.temporaries(1, 1), *(t for _, t in also)]))
+        also = (f", one at budget {max_budget}" if max_budget > cfg.budget else "") + (
+            f", a private cache of {max_candidates} tokens streamed"
+            if max_candidates > cfg.budget else "")
         raise ValueError(
             f"--kv-evict-workspace-mb: {cfg.workspace_mb} MiB cannot hold one (request, layer) "
             f"unit of an eviction step ({need / 2**20:.1f} MiB for {cfg.policy} at budget "
-            f"{cfg.budget}); set at least {math.ceil(need / 2**20)}")
-    return buffer, temps + group, units
+            f"{cfg.budget}{also}); set at least {math.ceil(need / 2**20)}")
+    return WorkspaceSize(buffer, temps + group, units, max_budget, max_candidates,
+                         POLICIES[cfg.policy].streams())
 
 
-def allocate_workspace(cfg, shapes, device, max_requests: int = 4096) -> Workspace:
-    buffer, headroom, _units = workspace_bytes(cfg, shapes, torch.device(device).type, max_requests)
-    return Workspace(torch.empty(buffer, dtype=torch.uint8, device=device), headroom)
+def _request_like(cfg: EvictionConfig, policy: str, budget: int) -> EvictionConfig:
+    """The server's settings with a request's policy and budget (request_control gives a
+    request that changes either the default value slots), reading what such a request may
+    read: trimkv with value slots (its VaSE hybrid) reads V too."""
+    if policy != cfg.policy or budget != cfg.budget:
+        cfg = cfg.replace(policy=policy, budget=budget, value_slots=None)
+    if POLICIES[policy].needs_retention and not cfg.n_value_slots:
+        cfg = cfg.replace(value_slots=1)
+    return cfg
+
+
+def allocate_workspace(cfg, shapes, device, max_requests: int = 4096, *,
+                       max_budget: int | None = None,
+                       max_candidates: int | None = None) -> Workspace:
+    """The workspace workspace_bytes sizes (pass the same max_budget / max_candidates as the
+    memory plan that reserved it: memory.around_profile)."""
+    size = workspace_bytes(cfg, shapes, torch.device(device).type, max_requests,
+                           max_budget=max_budget, max_candidates=max_candidates)
+    return Workspace(torch.empty(size.buffer, dtype=torch.uint8, device=device), size.headroom)
 
 
 def _add_to_group(groups, cfg, req, i, private) -> None:

@@ -17,8 +17,8 @@ from vase_sglang.ops import compact_kv_reference_, planning_for
 from vase_sglang.policies import POLICIES, Retention, RKVPolicy, mean_cosine_to_others
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vase_sglang.workspace import (KVShapes, PeakMemory, Workspace, chunk_cost, plan_chunks,
-                                   trace_chunk)
+from vase_sglang.workspace import (STREAM_CHUNK, KVShapes, PeakMemory, PoolCandidates, Workspace,
+                                   chunk_cost, kv_reads, plan_chunks, plan_step, trace_chunk)
 from vase_sglang_patches import runtime
 from vase_sglang_patches.memory import kv_shapes
 
@@ -51,12 +51,15 @@ def _request(i, n, window, prefix=3):
 
 
 def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, workspace=None,
-          seed=0, prefix=3, page_size=1):
-    """A runtime over a pool holding `requests` requests of n = budget candidates each, and a
-    decode batch of them. On meta nothing is allocated."""
-    n, window = cfg.budget, cfg.window
-    per_req = prefix + n + window
-    slots_total = requests * per_req + 1
+          seed=0, prefix=3, page_size=1, candidates=None):
+    """A runtime over a pool holding `requests` requests of n = budget candidates each (or
+    candidates[i] for request i: a long private cache), and a decode batch of them. On meta
+    nothing is allocated."""
+    window = cfg.window
+    ns = [cfg.budget] * requests if candidates is None else list(candidates)
+    lengths = [prefix + n + window for n in ns]
+    per_req = max(lengths)
+    slots_total = sum(lengths) + 1
     gen = torch.Generator().manual_seed(seed)
 
     def tensor(*shape, dt=dtype):
@@ -75,14 +78,16 @@ def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, 
     else:
         perm = torch.randperm(slots_total - 1, generator=gen) + 1
         req_to_token = torch.zeros(requests + 1, per_req + 8, dtype=torch.int32)
-        req_to_token[:requests, :per_req] = perm[: requests * per_req].view(requests, per_req).int()
+        for i, length in enumerate(lengths):
+            start = sum(lengths[:i])
+            req_to_token[i, :length] = perm[start: start + length].int()
     rt = runtime.EvictionRuntime(
         cfg=cfg, k_buffers=k_buffers, v_buffers=v_buffers, req_to_token=req_to_token,
         allocator=_Allocator(), num_q_heads=q_heads, head_dim=head_dim, start_layer=0,
         queries=ring, workspace=workspace, page_size=page_size,
     )
-    reqs = [_request(i, n, window, prefix) for i in range(requests)]
-    lens = torch.full((requests,), prefix + n + window, dtype=torch.int64)
+    reqs = [_request(i, n, window, prefix) for i, n in enumerate(ns)]
+    lens = torch.tensor(lengths, dtype=torch.int64)
     batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=lens, seq_lens=lens.to(device),
                             orig_seq_lens=None, seq_lens_sum=None, batch_is_full=True)
     if POLICIES[cfg.policy].needs_retention:  # trimkv: side buffers of log β and position
@@ -95,7 +100,7 @@ def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, 
 
 
 def _meta_workspace(cfg, shapes, device):
-    buffer, headroom, _units = runtime.workspace_bytes(cfg, shapes, device)
+    buffer, headroom, *_ = runtime.workspace_bytes(cfg, shapes, device)
     return Workspace(torch.empty(buffer, dtype=torch.uint8, device="meta"), headroom)
 
 
@@ -124,7 +129,7 @@ def test_default_workspace_figures_for_qwen3_4b():
     """The figures docs/memory.md quotes (Triton path, T = 2048, window 64)."""
     cfg = EvictionConfig(policy="vase-attnv", budget=2048, window=64)
     shapes = KVShapes(8, 32, 128, torch.bfloat16, torch.bfloat16, 64)
-    buffer, headroom, units = runtime.workspace_bytes(cfg, shapes, "cuda")
+    buffer, headroom, units, *_ = runtime.workspace_bytes(cfg, shapes, "cuda")
     assert units == 64
     assert 500 * 2**20 < buffer + headroom < 700 * 2**20
 
@@ -134,7 +139,8 @@ def test_too_small_a_workspace_is_refused_naming_the_flag():
     shapes = KVShapes(8, 32, 128, torch.bfloat16, torch.bfloat16, 64)
     with pytest.raises(ValueError, match="--kv-evict-workspace-mb: 4 MiB cannot hold one"):
         runtime.workspace_bytes(cfg, shapes, "cuda")
-    buffer, headroom, units = runtime.workspace_bytes(cfg.replace(workspace_mb=100), shapes, "cuda")
+    buffer, headroom, units, *_ = runtime.workspace_bytes(cfg.replace(workspace_mb=100), shapes,
+                                                          "cuda")
     assert buffer + headroom == 100 * 2**20 and units >= 1
 
 
@@ -158,9 +164,195 @@ def test_plan_chunks_streams_layers_and_refuses_what_cannot_fit():
     assert plan_chunks(cost, 64, 36, 128 * 1024, 64 * 1024 * 3) == (64, 2)
     # Only 10 units in the buffer: 10 requests of one layer per chunk.
     assert plan_chunks(cost, 64, 36, 10 * 1024, 10**9) == (10, 1)
-    # Not one unit: None (the runtime then warns and runs unit by unit).
+    # Not one unit: None (the runtime then streams the unit's candidates: plan_step).
     assert plan_chunks(cost, 64, 36, 1000, 10**9) is None
     assert plan_chunks(cost, 64, 36, 10**9, 700) is None
+
+
+def test_plan_step_streams_candidates_only_where_a_unit_does_not_fit():
+    """Pure arithmetic: the plain stage where one unit fits; else one unit at a time with the
+    largest candidate chunk (a power of two below n) that fits; None where nothing does."""
+    from vase_sglang.workspace import ChunkCost, StepPlan
+
+    def cost_of(chunk):  # gathers 8 bytes per candidate, temporaries 100 + 2 per candidate
+        c = 1000 if chunk is None else chunk
+        return ChunkCost(gather_per_unit=8 * c, per_unit=100 + 2 * c + 10)
+
+    assert plan_step(cost_of, 1000, 4, 3, 10**6, 10**6) == StepPlan(4, 3, None)
+    assert plan_step(cost_of, 1000, 4, 3, 8 * 1000 - 1, 10**6) == StepPlan(1, 1, 512)
+    assert plan_step(cost_of, 1000, 4, 3, 8 * 200, 10**6) == StepPlan(1, 1, 128)
+    assert plan_step(cost_of, 1000, 4, 3, 10**6, 100 + 2 * 64 + 10) == StepPlan(1, 1, 64)
+    assert plan_step(cost_of, 1000, 4, 3, 8 * 15, 10**6) is None  # below the smallest chunk
+    assert plan_step(cost_of, 1000, 4, 3, 10**6, 500, streams=False) is None  # custom policy
+
+
+QWEN3_SHAPES = KVShapes(8, 32, 128, torch.bfloat16, torch.bfloat16, 64)
+
+
+@pytest.mark.parametrize("policy,device,workspace_mb,budget,n,layers", [
+    ("vase-attnv", "cuda", 48, 2048, 32768, 36), ("vase-attnv", "cuda", 48, 2048, 65536, 2),
+    ("snapkv", "cpu", 160, 2048, 32768, 2), ("rkv", "cuda", 64, 2048, 32768, 2),
+    ("rkv", "cpu", 160, 2048, 16384, 2), ("vase-dkv", "cpu", 96, 2048, 32768, 2),
+    ("trimkv", "cpu", 96, 2048, 32768, 2),
+    # default sizes: at T = 2048 one unit of 32K candidates fits at once; at T = 256 it streams
+    ("vase-attnv", "cuda", None, 2048, 32768, 2), ("snapkv", "cpu", None, 2048, 32768, 2),
+    ("vase-attnv", "cuda", None, 256, 40960, 2)])
+def test_long_private_cache_step_stays_inside_the_reserved_workspace(policy, device, workspace_mb,
+                                                                    budget, n, layers,
+                                                                    monkeypatch):
+    """Issue 22 (safety): a long private prompt (the radix cache off: its first eviction has
+    n = 8x to 160x the budget candidates) next to a request at the budget, Qwen3-4B shapes,
+    bf16, in the workspace the server reserves for a context of n tokens (a size set with
+    --kv-evict-workspace-mb, or the default). Where one (request, layer) unit of it does not
+    fit at once, its candidates stream in chunks; either way the step's peak, traced on meta
+    tensors, stays inside the workspace. Before streaming, that unit ran outside the
+    workspace: at 48 MiB (CUDA plan) a 32K prompt peaked at 187 MiB, at 160 MiB (CPU plan) at
+    916 MiB. Every streamed unit is alike (one at a time), so most cases run 2 of the 36
+    layers, each chunk as a device runs it; the 36-layer case reads META_SPANS chunks per
+    pass, as the plan does (meta tensors cost ~1 ms an op)."""
+    cfg = EvictionConfig(policy=policy, budget=budget, window=64, workspace_mb=workspace_mb,
+                         value_slots=256 if policy == "trimkv" else None)  # trimkv: reads V
+    size = runtime.workspace_bytes(cfg, QWEN3_SHAPES, device, max_candidates=n)
+    workspace = Workspace(torch.empty(size.buffer, dtype=torch.uint8, device="meta"), size.headroom)
+    rt, batch = _step(cfg, **dict(QWEN3_4B, layers=layers), requests=2, device="meta",
+                      workspace=workspace, candidates=[budget, n])
+    monkeypatch.setattr(runtime, "RUNTIME", rt)
+    rt.device_type = device
+    plan = rt._plan(cfg, n, 1)  # the plan's costs are traced (and cached) as a server's are
+    assert (plan.chunk is None) == (workspace_mb is None and budget == 2048), plan
+    if layers < 36:
+        monkeypatch.setattr(PoolCandidates, "META_SPANS", None)  # every chunk
+    with planning_for(device), PeakMemory() as peak:
+        freed = rt.evict(batch)
+    assert freed == (cfg.budget - cfg.keep) + (n - cfg.keep)
+    assert workspace.overflows == 0  # every gather was a view of the buffer
+    assert workspace.buffer_bytes + peak.peak <= workspace.size
+
+
+def test_workspace_holds_a_streamed_unit_of_the_context_and_a_unit_at_max_budget():
+    """The sizing: DEFAULT_UNITS units at the budget, one unit at max_budget at once, and (for
+    every policy a request may choose that streams) a unit of the context streamed."""
+    cfg = EvictionConfig(policy="snapkv", budget=256, window=64)
+    small = runtime.workspace_bytes(cfg, QWEN3_SHAPES, "cuda")
+    assert small.units == 64 and small.max_budget == 256 and small.max_candidates == 256
+    size = runtime.workspace_bytes(cfg, QWEN3_SHAPES, "cuda", max_budget=8192,
+                                   max_candidates=131072)
+    assert size.buffer >= small.buffer and size.headroom >= small.headroom
+    assert "budget 8192" in size.describe() and "131072 tokens, streamed" in size.describe()
+    headroom = size.headroom - runtime.group_bytes(1)
+    big = cfg.replace(budget=8192)
+    cost = runtime.step_cost(big, QWEN3_SHAPES, 8192, "cuda")
+    assert plan_chunks(cost, 1, 36, size.buffer, headroom) is not None  # at once
+    assert set(runtime.streamed_policies(cfg)) == set(BUILT_IN)
+    for name in runtime.streamed_policies(cfg):  # streamed STREAM_CHUNK at a time, or better
+        other = runtime._request_like(cfg, name, 8192)
+        cost = runtime.step_cost(other, QWEN3_SHAPES, 131072, "cuda", STREAM_CHUNK)
+        assert cost.buffer(1, 1) <= size.buffer and cost.temporaries(1, 1) <= headroom, name
+    long = runtime._request_like(cfg, "snapkv", 8192)
+    plan = plan_step(lambda c: runtime.step_cost(long, QWEN3_SHAPES, 131072, "cuda", c),
+                     131072, 1, 36, size.buffer, headroom)
+    assert plan.chunk >= STREAM_CHUNK, plan
+    # A server whose policy reads no queries serves no query policy per request.
+    assert "snapkv" not in runtime.streamed_policies(cfg.replace(policy="random"))
+    # A size that cannot hold the streamed unit is refused, naming the flag.
+    with pytest.raises(ValueError, match="--kv-evict-workspace-mb: 2 MiB cannot hold one"):
+        runtime.workspace_bytes(cfg.replace(workspace_mb=2), QWEN3_SHAPES, "cuda",
+                                max_candidates=131072)
+
+
+@pytest.mark.parametrize("policy", BUILT_IN)
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_streamed_cost_model_bounds_traced_chunks(policy, device, monkeypatch):
+    """The streamed stage's cost, traced at n's bucket with META_SPANS chunks per pass, bounds
+    the stage run chunk by chunk at other n and partial last chunks."""
+    cfg = EvictionConfig(policy=policy, budget=96, window=16)
+    shapes = KVShapes(2, 6, 32, torch.bfloat16, torch.bfloat16, 16)
+    for n, chunk in [(1000, 128), (513, 64), (1024, 256)]:  # partial last chunks, and none
+        cost = chunk_cost(cfg, shapes, n, device, chunk)
+        monkeypatch.setattr(PoolCandidates, "META_SPANS", None)
+        buffer, peak = trace_chunk(cfg, shapes, n, 1, 1, 4, device, chunk)
+        monkeypatch.undo()
+        assert buffer <= cost.buffer(1, 1) and peak <= cost.temporaries(1, 1), (n, chunk)
+
+
+def _long_prompt_step(cfg, workspace, seed=11):
+    shape = dict(layers=3, kv_heads=2, q_heads=6, head_dim=16, dtype=torch.float32)
+    return _step(cfg, **shape, requests=3, device="cpu", seed=seed, candidates=[23, 100, 23],
+                 workspace=workspace)
+
+
+@pytest.mark.parametrize("policy,value_slots", [(p, None) for p in BUILT_IN] + [("trimkv", 5)])
+def test_streamed_step_equals_the_step_in_a_big_workspace(policy, value_slots, monkeypatch):
+    """A real step on CPU (seeded random K/V, GQA): requests at the budget and one with a long
+    private cache (n = 100, 4x the budget), in a workspace where one unit of the long one does
+    not fit at once, selects and compacts exactly what the same step does in a workspace that
+    holds it (the kept sets could differ only at near ties of attention scores, whose softmax
+    sums are accumulated chunk by chunk; none here)."""
+    cfg = EvictionConfig(policy=policy, budget=23, window=4, sinks=3, value_slots=value_slots)
+    big, batch = _long_prompt_step(cfg, None)
+    monkeypatch.setattr(runtime, "RUNTIME", big)
+    assert big._plan(cfg, 100, 1).chunk is None
+    big.evict(batch)
+    shapes = big.shapes
+    plain = runtime.step_cost(cfg, shapes, cfg.budget, "cpu")
+    streamed = runtime.step_cost(cfg, shapes, 100, "cpu", 16)
+    buffer = max(plain.buffer(1, 1), streamed.buffer(1, 1))
+    headroom = runtime.group_bytes(2) + max(plain.temporaries(1, 1), streamed.temporaries(1, 1))
+    small, batch = _long_prompt_step(cfg, Workspace(torch.empty(buffer, dtype=torch.uint8),
+                                                    headroom))
+    monkeypatch.setattr(runtime, "RUNTIME", small)
+    plan = small._plan(cfg, 100, 1)
+    if any(kv_reads(cfg)):  # random / streaming / plain trimkv read no K/V: at once
+        assert plan.chunk is not None and plan.chunk < 100, plan
+    small.evict(batch)
+    assert small.workspace.overflows == 0 and big.workspace.overflows == 0
+    side = lambda rt: [] if rt.retention is None else rt.retention.log_beta + rt.retention.position
+    for got, want in zip(small.k_buffers + small.v_buffers + side(small),
+                         big.k_buffers + big.v_buffers + side(big), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(small.req_to_token, big.req_to_token)
+    assert torch.equal(torch.cat(small.allocator.freed), torch.cat(big.allocator.freed))
+
+
+def test_a_policy_that_cannot_stream_is_skipped_not_run_outside_the_workspace(monkeypatch, caplog):
+    """A registered policy overriding select() has no streamed path: where one unit of it does
+    not fit, its requests are not evicted this step (logged once), nothing is allocated
+    outside the workspace, and the other groups are evicted as usual. A policy that streams
+    but cannot fit even streamed is an error, not an allocation."""
+    from vase_sglang.policies import Policy, register_policy
+
+    class Reverse(Policy):
+        def select(self, keys, values, queries, draws, sinks, check=True):
+            n = keys.shape[-2]
+            return torch.arange(n - self.cfg.keep, n).expand(*keys.shape[:-2], self.cfg.keep)
+
+    register_policy("test-reverse", Reverse)
+    try:
+        assert not Reverse.streams() and POLICIES["snapkv"].streams()
+        cfg = EvictionConfig(policy="test-reverse", budget=23, window=4, sinks=3)
+        rt, batch = _long_prompt_step(cfg, None)
+        cost = runtime.step_cost(cfg, rt.shapes, cfg.budget, "cpu")
+        rt.workspace = Workspace(torch.empty(cost.buffer(1, 1), dtype=torch.uint8),
+                                 runtime.group_bytes(2) + cost.temporaries(1, 1))
+        monkeypatch.setattr(runtime, "RUNTIME", rt)
+        before = [b.clone() for b in rt.k_buffers]
+        long_req = batch.reqs[1]
+        with caplog.at_level("ERROR", logger="vase_sglang.eviction"):
+            freed = rt.evict(batch)
+            rt.evict(batch)  # logged once
+        assert freed == 2 * (cfg.budget - cfg.keep)  # the two requests at the budget
+        assert long_req.kv.kv_allocated_len == 3 + 100 + 4 and runtime.state(long_req).rounds == 0
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "cannot be streamed" in caplog.records[0].message
+        assert rt.workspace.overflows == 0
+        assert not all(torch.equal(a, b) for a, b in zip(before, rt.k_buffers))
+    finally:
+        del POLICIES["test-reverse"]
+    cfg = EvictionConfig(policy="snapkv", budget=23, window=4, sinks=3)
+    rt, batch = _long_prompt_step(cfg, Workspace(torch.empty(64, dtype=torch.uint8), 10**6))
+    monkeypatch.setattr(runtime, "RUNTIME", rt)
+    with pytest.raises(RuntimeError, match="even streamed in chunks of 16 candidates"):
+        rt.evict(batch)
 
 
 def _unchunked(cfg, rt, batch):
@@ -214,7 +406,7 @@ def test_chunked_step_equals_the_unchunked_one(policy, value_slots, monkeypatch)
     cost = runtime.step_cost(cfg, rt.shapes, cfg.budget, "cpu")
     rt.workspace = Workspace(torch.empty(cost.buffer(2, 1), dtype=torch.uint8),
                              runtime.group_bytes(5) + cost.temporaries(2, 1))
-    assert rt._plan(cfg, cfg.budget, 5) == (2, 1)  # 3 request chunks x 3 layer chunks
+    assert rt._plan(cfg, cfg.budget, 5) == (2, 1, None)  # 3 request chunks x 3 layer chunks
     rt.evict(batch)
     assert rt.workspace.overflows == 0
     got = rt.k_buffers + rt.v_buffers
@@ -266,24 +458,33 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("policy,page_size,budget,window", [
-    *[(p, 1, 40, 8) for p in BUILT_IN],
+@pytest.mark.parametrize("policy,page_size,budget,window,streamed", [
+    *[(p, 1, 40, 8, False) for p in BUILT_IN],
     # paged: the newest window moved by pages (48 / 16) or copied (40 / 16)
-    ("vase-attnv", 16, 48, 16), ("vase-attnv", 16, 40, 16), ("snapkv", 16, 40, 16)])
+    ("vase-attnv", 16, 48, 16, False), ("vase-attnv", 16, 40, 16, False),
+    ("snapkv", 16, 40, 16, False),
+    # candidates streamed 16 at a time (a workspace that holds no unit at once)
+    *[(p, 1, 40, 8, True) for p in BUILT_IN if p not in ("random", "streaming")]])
 def test_step_makes_no_blocking_host_copies_and_reads_nothing_back(policy, page_size, budget,
-                                                                  window, monkeypatch):
+                                                                  window, streamed, monkeypatch):
     """The whole step on meta tensors (a device value cannot be read on meta at all), with
     torch.tensor / as_tensor of host data onto the device forbidden: those are synchronising
     copies from pageable memory (the step stages through pinned buffers instead)."""
-    cfg = EvictionConfig(policy=policy, budget=budget, window=window)
+    cfg = EvictionConfig(policy=policy, budget=budget, window=window,
+                         value_slots=4 if policy == "trimkv" and streamed else None)
     shape = dict(layers=3, kv_heads=2, q_heads=6, head_dim=16, dtype=torch.bfloat16)
     shapes = KVShapes(2, 6, 16, torch.bfloat16, torch.bfloat16, window)
     prefix = 3 if page_size == 1 else 2 * page_size  # the tree owns whole pages
+    workspace = _meta_workspace(cfg, shapes, "cuda")
+    if streamed:
+        cost = runtime.step_cost(cfg, shapes, cfg.budget, "cuda", 16)
+        workspace = Workspace(torch.empty(cost.buffer(1, 1), dtype=torch.uint8, device="meta"),
+                              runtime.group_bytes(5) + cost.temporaries(1, 1))
     rt, batch = _step(cfg, **shape, requests=5, device="meta", prefix=prefix,
-                      page_size=page_size, workspace=_meta_workspace(cfg, shapes, "cuda"))
+                      page_size=page_size, workspace=workspace)
     rt.device_type = "cuda"
     monkeypatch.setattr(runtime, "RUNTIME", rt)
-    runtime.step_cost(cfg, rt.shapes, cfg.budget, "cuda")  # plan traces are host-only
+    assert (rt._plan(cfg, cfg.budget, 5).chunk == 16) == streamed  # plan traces are host-only
     from vase_sglang.ops.compact import pointer_table
 
     side = () if rt.retention is None else (rt.retention.log_beta, rt.retention.position)

@@ -9,6 +9,11 @@ base class, `select()`. Selection is the same for all of them:
      (top-k of log w + Gumbel noise) has exactly that distribution and runs batched.
 Indices come back ascending per head, so "older slot = older token" stays true across rounds.
 
+Where the n candidates of a (request, layer) are too many to score at once (a long private
+cache), `score_streamed()` computes the same score from candidate chunks, keeping only
+[..., H, n] arrays (vase_sglang/stream_select.py), and `select_streamed()` then selects as
+`select()` does; `select_tokens(..., chunk=c)` takes that path.
+
 Nothing here knows about SGLang: inputs are plain tensors with any leading batch dims
 (typically [requests, layers]).
 """
@@ -23,6 +28,8 @@ import torch
 
 from . import ops, rng
 from .config import EvictionConfig
+from .stream_select import (TensorCandidates, cur_leverage_streamed, mean_cosine_streamed,
+                            value_range_streamed, window_attention_streamed)
 
 
 def top_indices(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -147,16 +154,27 @@ class Policy:
         """Bool [..., H, n]: candidates kept whatever their score: the sinks, then the
         value_slots largest Range(v) among the others (only policies that allow value slots
         have cfg.n_value_slots > 0)."""
-        mask = torch.zeros(keys.shape[:-1], dtype=torch.bool, device=keys.device)
+        return self._forced_mask(keys.shape[:-1], keys.device, sinks,
+                                 lambda: ops.value_range(values))
+
+    def _forced_mask(self, shape, device, sinks: int, value_range) -> torch.Tensor:
+        """forced() from the candidates' Range(v), computed by value_range() if needed."""
+        mask = torch.zeros(shape, dtype=torch.bool, device=device)
         mask[..., :sinks] = True
         n_value = self.cfg.n_value_slots
         if n_value:
-            spread = ops.value_range(values).masked_fill(mask, float("-inf"))
+            spread = value_range().masked_fill(mask, float("-inf"))
             mask.scatter_(-1, top_indices(spread, n_value), True)
         return mask
 
     def select(self, keys, values, queries, draws: Draws, sinks: int, check: bool = True):
-        score = self.score(keys, values, queries, draws).float()
+        score = self._ranking(self.score(keys, values, queries, draws), draws, check)
+        return self._top(score, self.forced(keys, values, sinks))
+
+    def _ranking(self, score: torch.Tensor, draws: Draws, check: bool) -> torch.Tensor:
+        """The key each candidate is ranked by: the score, or for sampling policies
+        log(score) + Gumbel noise."""
+        score = score.float()
         if check and torch.isnan(score).any():
             raise ValueError(
                 f"scores: policy {self.cfg.policy!r} produced NaN scores; keys, values or "
@@ -166,8 +184,40 @@ class Policy:
             # Gumbel-top-k == sequential sampling without replacement with p ∝ score.
             # Clamping keeps zero-weight tokens drawable (uniformly, after all positive ones).
             score = score.clamp_min(1e-30).log() + draws.gumbel(score.shape[-2:])
-        score = score.masked_fill(self.forced(keys, values, sinks), float("inf"))
+        return score
+
+    def _top(self, score: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+        score = score.masked_fill(forced, float("inf"))
         return top_indices(score, self.cfg.keep).sort(dim=-1).values
+
+    # Streamed over candidate chunks (vase_sglang/stream_select.py): for units whose n
+    # candidates do not fit in memory at once. Only O(n H) per-candidate arrays are held.
+
+    def score_streamed(self, candidates, queries, draws: Draws) -> torch.Tensor:
+        """score() from `candidates` (a stream_select.Candidates) read chunk by chunk: the
+        same values up to float summation order. Policies without it cannot be streamed."""
+        raise NotImplementedError
+
+    @classmethod
+    def streams(cls) -> bool:
+        """Whether select_streamed() selects what select() does: score_streamed() is defined
+        by the class that defines score(), or below it, and select() and forced() are the
+        base class's (a custom policy overriding either cannot be streamed)."""
+        def owner(name):
+            return next(k for k in cls.__mro__ if name in vars(k))
+
+        streamed = owner("score_streamed")
+        return streamed is not Policy and all(
+            issubclass(streamed, owner(name)) for name in ("score", "select", "forced"))
+
+    def select_streamed(self, candidates, queries, draws: Draws, sinks: int,
+                        check: bool = True) -> torch.Tensor:
+        """select() over candidate chunks: the streamed score, then the same ranking, forced
+        tokens and top-k on the full-length [..., H, n] arrays."""
+        score = self._ranking(self.score_streamed(candidates, queries, draws), draws, check)
+        forced = self._forced_mask(candidates.shape, candidates.device, sinks,
+                                   lambda: value_range_streamed(candidates))
+        return self._top(score, forced)
 
 
 @dataclass(frozen=True)
@@ -180,6 +230,10 @@ class StreamingPolicy(Policy):
         n = keys.shape[-2]
         return torch.arange(n, device=keys.device, dtype=torch.float32).expand(keys.shape[:-1])
 
+    def score_streamed(self, candidates, queries, draws):
+        n, device = candidates.n, candidates.device
+        return torch.arange(n, device=device, dtype=torch.float32).expand(candidates.shape)
+
 
 @dataclass(frozen=True)
 class RandomPolicy(Policy):
@@ -189,6 +243,9 @@ class RandomPolicy(Policy):
 
     def score(self, keys, values, queries, draws):
         return draws.gumbel(keys.shape[-3:-1])
+
+    def score_streamed(self, candidates, queries, draws):
+        return draws.gumbel(candidates.shape[-2:])
 
 
 @dataclass(frozen=True)
@@ -203,6 +260,13 @@ class SnapKVPolicy(Policy):
             scaling=self.attention.scaling, softcap=self.attention.softcap,
         )
 
+    def score_streamed(self, candidates, queries, draws):
+        return window_attention_streamed(
+            queries, candidates, temperature=self.cfg.temperature,
+            pool_kernel=self.cfg.pool_kernel, scaling=self.attention.scaling,
+            softcap=self.attention.softcap,
+        )
+
 
 @dataclass(frozen=True)
 class RKVPolicy(SnapKVPolicy):
@@ -215,6 +279,12 @@ class RKVPolicy(SnapKVPolicy):
         lam = self.cfg.rkv_lambda
         return lam * importance - (1.0 - lam) * redundancy
 
+    def score_streamed(self, candidates, queries, draws):
+        importance = super().score_streamed(candidates, queries, draws)
+        redundancy = torch.softmax(mean_cosine_streamed(candidates), dim=-1)
+        lam = self.cfg.rkv_lambda
+        return lam * importance - (1.0 - lam) * redundancy
+
 
 def mean_cosine_to_others(keys: torch.Tensor) -> torch.Tensor:
     """[..., n, D] -> [..., n] float32: sum over j != i of cos(k_i, k_j), divided by n (the
@@ -222,10 +292,21 @@ def mean_cosine_to_others(keys: torch.Tensor) -> torch.Tensor:
 
     Without the n x n matrix: with unit rows u (normalize gives 0 for a zero key, whose
     cosines are then 0), sum_{j != i} u_i.u_j = u_i . sum_j u_j - u_i.u_i, in O(n D) memory."""
-    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    unit = unit_keys(keys)
     total = unit.sum(dim=-2, keepdim=True)  # [..., 1, D]
+    return cosine_to_others(unit, total, keys.shape[-2])
+
+
+def unit_keys(keys: torch.Tensor) -> torch.Tensor:
+    """[..., n, D] float32 keys scaled to unit norm (a zero key stays zero)."""
+    return torch.nn.functional.normalize(keys.float(), dim=-1)
+
+
+def cosine_to_others(unit: torch.Tensor, total: torch.Tensor, n: int) -> torch.Tensor:
+    """mean_cosine_to_others of the unit keys `unit` [..., c, D] (some or all of the n
+    candidates), given total [..., 1, D], the sum of all n unit keys."""
     with_self = torch.matmul(unit, total.transpose(-1, -2)).squeeze(-1)
-    return (with_self - (unit * unit).sum(dim=-1)) / keys.shape[-2]
+    return (with_self - (unit * unit).sum(dim=-1)) / n
 
 
 @dataclass(frozen=True)
@@ -246,6 +327,10 @@ class CurDKVPolicy(Policy):
         g = draws.projection(keys.shape[-1], self.cfg.projection_rank, self.redraw_each_round)
         return ops.cur_leverage(keys, values, g.to(keys.device))
 
+    def score_streamed(self, candidates, queries, draws):
+        g = draws.projection(candidates.head_dim, self.cfg.projection_rank, self.redraw_each_round)
+        return cur_leverage_streamed(candidates, g.to(candidates.device))
+
 
 @dataclass(frozen=True)
 class VaseDKVPolicy(CurDKVPolicy):
@@ -261,6 +346,9 @@ class EvictLargeValuesPolicy(Policy):
     def score(self, keys, values, queries, draws):
         return -ops.value_range(values)
 
+    def score_streamed(self, candidates, queries, draws):
+        return -value_range_streamed(candidates)
+
 
 @dataclass(frozen=True)
 class TrimKVPolicy(Policy):
@@ -272,10 +360,17 @@ class TrimKVPolicy(Policy):
     needs_retention: ClassVar[bool] = True
 
     def score(self, keys, values, queries, draws):
+        return self._retention_score(keys.shape[:-1])
+
+    def score_streamed(self, candidates, queries, draws):
+        # log β and age are O(n H) already (the side buffers' rows): nothing to stream.
+        return self._retention_score(candidates.shape)
+
+    def _retention_score(self, shape) -> torch.Tensor:
         r = self.retention
         if r is None:
             raise ValueError("retention: policy 'trimkv' needs the log β and age of every candidate")
-        return (r.log_beta.float() * r.age.float()).expand(keys.shape[:-1])
+        return (r.log_beta.float() * r.age.float()).expand(shape)
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -369,6 +464,7 @@ def select_tokens(
     attention: AttentionParams | None = None,
     head_offset: int = 0,
     retention: Retention | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Candidate indices to keep, LongTensor [..., H_kv, budget - window], ascending per head.
 
@@ -382,12 +478,47 @@ def select_tokens(
     1/sqrt(D), none). head_offset: global index of the first KV head in `keys` (a
     tensor-parallel rank's first head), so per-head draws do not depend on the sharding.
     retention: log β and age of every candidate (trimkv only; see `Retention`).
+    chunk: score the candidates `chunk` tokens at a time (the streamed path, for candidates
+    whose score temporaries do not fit in memory: vase_sglang/stream_select.py); the same
+    selection up to float summation order. Policies that cannot stream raise ValueError.
     """
     if not isinstance(cfg, EvictionConfig):
         raise ValueError(f"cfg: expected an EvictionConfig, got {type(cfg).__name__}")
     n = keys.shape[-2] if keys.dim() >= 2 else 0
     if not cfg.evicts:
         return torch.arange(n, device=keys.device).expand(*keys.shape[:-2], n)
+    candidates = None
+    if chunk is not None:
+        candidates = TensorCandidates(keys, values, chunk)
+    policy, draws, sinks = _prepare(cfg, keys, values, queries, keys.device, request=request,
+                                    layer=layer, round=round, sinks=sinks, attention=attention,
+                                    head_offset=head_offset, retention=retention,
+                                    streamed=candidates is not None)
+    if candidates is not None:
+        return policy.select_streamed(candidates, queries, draws, sinks, check=check)
+    return policy.select(keys, values, queries, draws, sinks, check=check)
+
+
+def select_candidates(cfg: EvictionConfig, candidates, queries: torch.Tensor | None = None, *,
+                      request=None, layer=None, round=0, sinks: int | None = None,
+                      check: bool = True, attention: AttentionParams | None = None,
+                      head_offset: int = 0, retention: Retention | None = None) -> torch.Tensor:
+    """select_tokens over candidates read chunk by chunk (a stream_select.Candidates, e.g. an
+    engine's gathers from its KV pool into a bounded workspace); same arguments otherwise.
+    cfg must evict with a policy that streams (Policy.streams)."""
+    if not isinstance(cfg, EvictionConfig) or not cfg.evicts:
+        raise ValueError(f"cfg: expected an EvictionConfig of an evicting policy, got {cfg!r}")
+    # shapes only: a broadcast scalar (on meta, so memory planning counts nothing either)
+    like = torch.empty((), device="meta").expand(*candidates.shape, candidates.head_dim)
+    policy, draws, sinks = _prepare(cfg, like, like, queries, candidates.device, request=request,
+                                    layer=layer, round=round, sinks=sinks, attention=attention,
+                                    head_offset=head_offset, retention=retention, streamed=True)
+    return policy.select_streamed(candidates, queries, draws, sinks, check=check)
+
+
+def _prepare(cfg, keys, values, queries, device, *, request, layer, round, sinks, attention,
+             head_offset, retention, streamed):
+    """select_tokens' checks, then (policy, draws, sinks). keys / values give the shapes."""
     if attention is None:
         attention = AttentionParams()
     if not isinstance(attention, AttentionParams):
@@ -399,6 +530,9 @@ def select_tokens(
     sinks = cfg.sinks if sinks is None else sinks
     if not 0 <= sinks <= cfg.sinks:
         raise ValueError(f"sinks: must be in [0, {cfg.sinks}], got {sinks}")
-    draws = Draws.make(cfg.seed, keys.shape[:-3], keys.device, request, layer, round,
+    if streamed and not policy.streams():
+        raise ValueError(f"chunk: policy {cfg.policy!r} cannot score candidates chunk by chunk "
+                         f"(it defines no score_streamed, or overrides select or forced)")
+    draws = Draws.make(cfg.seed, keys.shape[:-3], device, request, layer, round,
                        head_offset=head_offset)
-    return policy.select(keys, values, queries, draws, sinks, check=check)
+    return policy, draws, sinks
