@@ -103,7 +103,7 @@ def around_profile(original, self, *args, **kwargs):
     from .model_runner import _attention_layers
     from .runtime import side_bytes_per_token, workspace_bytes
     from .settings import (PROMPT_LEN, config_from_env, flag_name, gates_path_from_env,
-                           prompt_len_from_env)
+                           limits_from_env, prompt_len_from_env)
 
     cfg = config_from_env()
     if cfg is None or not cfg.evicts or self.is_draft_worker:
@@ -113,6 +113,7 @@ def around_profile(original, self, *args, **kwargs):
         return available
     shapes = kv_shapes(layers, self.kv_cache_dtype, cfg.window, self.model_dtype)
     size = workspace_bytes(cfg, shapes, torch.device(self.device).type,
+                           max_budget=limits_from_env(cfg).max_budget,
                            max_candidates=self.model_config.context_len)
     available -= size.buffer + size.headroom
     logger.info(

@@ -172,6 +172,7 @@ def after_post_pool(result, model_runner):
         page_size=model_runner.token_to_kv_pool_allocator.page_size,
         retention=retention,
         limits=settings.limits_from_env(cfg),
+        max_candidates=model_runner.model_config.context_len,
     )
     if retention is not None:
         _install_retention_gate(model_runner.model, layers)

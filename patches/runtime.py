@@ -128,6 +128,9 @@ class EvictionRuntime:
     page_size: int = 1  # the allocator's; the step keeps the paged row layout (module doc)
     retention: RetentionBuffers | None = None  # with --kv-evict-retention-gates: trimkv served
     limits: RequestLimits | None = None  # what requests may choose (default: from cfg)
+    # The longest private cache the server admits (the model's context length): the
+    # workspace holds one unit of it, streamed over candidates. None: the largest budget.
+    max_candidates: int | None = None
 
     def __post_init__(self):
         k = self.k_buffers[0]
@@ -141,8 +144,12 @@ class EvictionRuntime:
         # Global layer ids key the draws; built once (a device arange, no host copy).
         self.layer_ids = torch.arange(self.start_layer, self.start_layer + self.num_layers,
                                       device=k.device)
-        if self.workspace is None:
-            self.workspace = allocate_workspace(self.cfg, self.shapes, k.device)
+        if self.limits is None:
+            self.limits = RequestLimits.defaults(self.cfg)
+        if self.workspace is None:  # what memory.around_profile reserved for it
+            self.workspace = allocate_workspace(self.cfg, self.shapes, k.device,
+                                                max_budget=self.limits.max_budget,
+                                                max_candidates=self.max_candidates)
         if self.device_type == "cuda":
             # The compaction kernel's pointer tables: one host copy now, none per step.
             from vase_sglang.ops.compact import pointer_table
@@ -151,9 +158,7 @@ class EvictionRuntime:
             if self.retention is not None:
                 pointer_table(self.retention.log_beta, k.device)
                 pointer_table(self.retention.position, k.device)
-        self._warned: set[int] = set()
-        if self.limits is None:
-            self.limits = RequestLimits.defaults(self.cfg)
+        self._warned: set[tuple[str, int]] = set()
         self.timer = StepTimer(k.device)
 
     def request_settings(self, custom_params) -> EvictionConfig | None:
