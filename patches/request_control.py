@@ -111,7 +111,7 @@ def check_limits(changes: dict, cfg: EvictionConfig, server: EvictionConfig,
     if cfg.window < limits.min_window:
         _fail("window", f"must be >= {limits.min_window}, this server's limit "
                         f"({flag_name(MIN_WINDOW)}); got {cfg.window}")
-    for field in ("budget", "window", "value_slots"):
+    for field in ("budget", "window"):
         value = changes.get(field)
         own = getattr(server, field)
         if value is not None and value != own and value % limits.grid:

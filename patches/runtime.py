@@ -598,7 +598,9 @@ def workspace_bytes(cfg: EvictionConfig, shapes: KVShapes, device_type: str,
     max_candidates = max_budget if max_candidates is None else max(max_candidates, max_budget)
     cost = step_cost(cfg, shapes, cfg.budget, device_type)
     also = []
-    if max_budget > cfg.budget:
+    if max_budget > cfg.budget and cfg.workspace_mb is None:
+        # Sized here, a unit at the largest per-request budget runs at once; in a workspace
+        # of a size the user set, it streams over candidates where it does not fit.
         big = step_cost(cfg.replace(budget=max_budget), shapes, max_budget, device_type)
         also.append((big.buffer(1, 1), big.temporaries(1, 1)))
     if max_candidates > cfg.budget:

@@ -64,21 +64,23 @@ def flag_name(suffix: str) -> str:
 # limits bound what a request may choose; the prompt length is an assumption about the traffic).
 GATES = "retention-gates"
 MAX_BUDGET, MIN_WINDOW, GRID = "max-budget", "min-window", "grid"
+MAX_BUDGET_FACTOR = 8
 PROMPT_LEN = "expected-prompt-len"
 DEFAULT_PROMPT_LEN = 256
 SERVER_FLAGS = {
     GATES: "Retention gates file (safetensors, `python -m vase_sglang.retention train`) of "
            "this model: the gate runs for every token and any request may ask for "
            "policy trimkv. Required by --kv-evict-policy trimkv.",
-    MAX_BUDGET: "Largest budget a request may ask for (custom_params.kv_evict.budget); the "
-                "step workspace is sized to cover it. Default: --kv-evict-budget (requests may "
-                "only evict more, not less).",
+    MAX_BUDGET: "Largest budget a request may ask for (custom_params.kv_evict.budget). Default "
+                f"{MAX_BUDGET_FACTOR} x --kv-evict-budget: what the default step workspace (sized for 64 requests at --kv-evict-budget) "
+                "holds at once for one request; a larger value grows the workspace to hold "
+                "one request at it.",
     MIN_WINDOW: "Smallest window a request may ask for (eviction runs every `window` decode "
                 "tokens, so a small window costs a round on most steps). Default: a quarter of "
                 "--kv-evict-window, at least 1 (and never below --page-size, see the window).",
-    GRID: "Per-request budget, window and value_slots must equal the server's or be a multiple "
-          "of this, so that few distinct settings groups share a decode batch (each group is "
-          "one batched selection). Default: the minimum window.",
+    GRID: "A per-request budget and window must equal the server's or be a multiple of this, "
+          "so that few distinct settings groups share a decode batch (each group is one "
+          "batched selection). Default: the minimum window.",
     PROMPT_LEN: f"Mean prompt tokens per request that the query ring's rows are sized for "
                 f"(the ring holds one row per running request; rows beyond what the pool can "
                 f"run at prompt + budget tokens each are memory taken from the pool). Default "
@@ -91,10 +93,12 @@ INT_SERVER_FLAGS = (MAX_BUDGET, MIN_WINDOW, GRID, PROMPT_LEN)
 @dataclass(frozen=True)
 class RequestLimits:
     """What a request may choose in custom_params.kv_evict on this server (request_control):
-    budget <= max_budget; window >= min_window; budget, window and value_slots equal to the
-    server's or multiples of `grid`; sinks <= max(the server's sinks, grid). They bound one
-    request's step memory (the workspace covers max_budget), its eviction frequency, and the
-    number of distinct settings groups in a step."""
+    budget <= max_budget; window >= min_window; budget and window equal to the server's or
+    multiples of `grid`; sinks <= max(the server's sinks, grid). They bound one request's
+    cache and step (the workspace holds one request at max_budget at once), its eviction
+    frequency, and the number of distinct settings groups in a step. The default max_budget,
+    8 budgets, is what the default workspace (64 requests at the budget, a unit's memory
+    grows linearly with its candidates) already holds at once: it costs no memory."""
 
     max_budget: int
     min_window: int
@@ -103,7 +107,8 @@ class RequestLimits:
     @classmethod
     def defaults(cls, cfg: EvictionConfig) -> "RequestLimits":
         min_window = max(1, cfg.window // 4)
-        return cls(max_budget=cfg.budget, min_window=min_window, grid=min_window)
+        return cls(max_budget=MAX_BUDGET_FACTOR * cfg.budget, min_window=min_window,
+                   grid=min_window)
 
 
 def limits_from_values(values: dict[str, object], cfg: EvictionConfig | None,

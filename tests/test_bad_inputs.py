@@ -163,11 +163,11 @@ REQUEST_CASES = [
     ({"policy": "vase-attnv", "value_slots": 30},
      "kv_evict.value_slots: value_slots (30) + sinks (4) must fit in budget - window (24)"),
     ({"sinks": -1}, "kv_evict.sinks: must be >= 0, got -1"),
-    # The server's limits (defaults: budget <= its own, window >= a quarter of its own, a grid
-    # of that quarter, sinks <= its own): one request cannot push a step past the workspace,
+    # The server's limits (defaults: budget <= 8 of its own, window >= a quarter of its own, a
+    # grid of that quarter, sinks <= its own): one request cannot hold an unbounded cache,
     # evict on every step, or split steps into many settings groups.
-    ({"budget": 64}, "kv_evict.budget: must be <= 32, this server's limit "
-                     "(--kv-evict-max-budget); got 64"),
+    ({"budget": 512}, "kv_evict.budget: must be <= 256, this server's limit "
+                      "(--kv-evict-max-budget); got 512"),
     ({"window": 1}, "kv_evict.window: must be >= 2, this server's limit "
                     "(--kv-evict-min-window); got 1"),
     ({"budget": 25}, "kv_evict.budget: must be a multiple of 2 (--kv-evict-grid) or the "
@@ -224,9 +224,7 @@ def test_messages_that_need_another_server(tiny_model):
                                          r"queries, which this server does not record"):
         effective_config({"kv_evict": {"policy": "snapkv"}}, streaming)
     # Without query scoring the request's window may exceed the server's (within the limits).
-    limits = settings.RequestLimits(max_budget=64, min_window=2, grid=2)
-    assert effective_config({"kv_evict": {"window": 16, "budget": 64}}, streaming,
-                            limits=limits).window == 16
+    assert effective_config({"kv_evict": {"window": 16, "budget": 64}}, streaming).window == 16
     with pytest.raises(ValueError, match=r"^kv_evict: this server was started without "
                                          r"--kv-evict-policy"):
         effective_config({"kv_evict": {"budget": 64}}, None)

@@ -84,34 +84,6 @@ def test_tp2_equals_the_single_process_reference(tp2_server, hf_model, gates_fil
     assert max(abs(a - b) for a, b in zip(logprobs, other_lp)) > 1e-2
 
 
-STOCHASTIC = ["vase-attnv", "vase-dkv", "curdkv", "random"]
-
-
-def test_the_same_request_gives_the_same_text_on_every_run_and_at_tp2(tp2_server, snapkv_server):
-    """Greedy and no rid or seed: the draws are keyed by the request's tokens (not by its
-    random rid), so a request gives the same text on every run, on another server, and at
-    tp = 2. The shared snapkv server (conftest.py) has this module's settings at tp = 1."""
-    from servers import SNAPKV
-
-    assert SNAPKV == {"policy": "snapkv", "budget": BUDGET, "window": WINDOW, "seed": SEED}
-    prompt = [(13 * i + 5) % 700 + 30 for i in range(10)]
-
-    def text(server, policy, **sampling):
-        out = server.generate(input_ids=prompt, max_new_tokens=150, sampling_params={
-            "ignore_eos": True, "custom_params": {"kv_evict": {"policy": policy}}, **sampling})
-        assert out["meta_info"]["kv_evicted_tokens"] > 0
-        return out["output_ids"]
-
-    for policy in STOCHASTIC:
-        first = text(snapkv_server, policy)
-        assert text(snapkv_server, policy) == first, policy
-        assert text(tp2_server, policy) == first, policy
-    # The draws decide the text (so the equalities above could fail): other keys, other texts.
-    assert text(snapkv_server, "random", sampling_seed=1) != text(snapkv_server, "random",
-                                                                  sampling_seed=2)
-    snapkv_server.wait_idle_checked()
-
-
 def test_tp2_frees_the_same_slots_on_every_rank(tp2_server):
     """Both ranks keep one allocator each and take the same eviction decisions from the same
     host-side lengths; a mismatch shows as a leak or a conservation error in SGLang's strict
@@ -137,28 +109,33 @@ def _scrape(server) -> list[tuple[str, dict, float]]:
     return rows
 
 
-def test_dp2_each_worker_evicts_its_own_requests(tiny_model_fp32):
+@pytest.fixture(scope="module")
+def dp2_server(tiny_model_fp32):
+    with Server(tiny_model_fp32, _args("--dp-size", "2", "--enable-metrics"), env=TWO_RANKS) as server:
+        yield server
+
+
+def test_dp2_each_worker_evicts_its_own_requests(dp2_server):
     """--dp-size 2: two schedulers, each with its own runtime and ring. Per-request settings
     and counts are right whichever worker serves a request; metrics carry the DP rank."""
     n = 100
     budgets = [BUDGET, 48, BUDGET, 48]
-    args = _args("--dp-size", "2", "--enable-metrics", "--kv-evict-max-budget", "48")
-    with Server(tiny_model_fp32, args, env=TWO_RANKS) as server:
-        results = [None] * len(budgets)
+    server = dp2_server  # the module's, fresh: the metrics below count from its start
+    results = [None] * len(budgets)
 
-        def run(i):
-            results[i] = server.generate(
-                input_ids=[30 + i, 40, 50, 60], max_new_tokens=n,
-                sampling_params={"ignore_eos": True,
-                                 "custom_params": {"kv_evict": {"budget": budgets[i]}}})
+    def run(i):
+        results[i] = server.generate(
+            input_ids=[30 + i, 40, 50, 60], max_new_tokens=n,
+            sampling_params={"ignore_eos": True,
+                             "custom_params": {"kv_evict": {"budget": budgets[i]}}})
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(budgets))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        server.wait_idle_checked()
-        rows = _scrape(server)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(budgets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    server.wait_idle_checked()
+    rows = _scrape(server)
     for budget, out in zip(budgets, results):
         trigger = budget + WINDOW
         # First eviction before the step after `trigger` private tokens, then every WINDOW.
@@ -172,3 +149,29 @@ def test_dp2_each_worker_evicts_its_own_requests(tiny_model_fp32):
     assert all(v > 0 for v in evictions.values())
     expected = sum(1 + (n - b - WINDOW - 2) // WINDOW for b in budgets)
     assert sum(evictions.values()) == expected
+
+
+STOCHASTIC = ["vase-attnv", "vase-dkv", "curdkv", "random"]
+
+
+def test_the_same_request_gives_the_same_text_on_every_run_replica_and_tp(dp2_server, tp2_server):
+    """Greedy and no rid or seed: the draws are keyed by the request's tokens (not by its
+    random rid), so a request gives the same text on every run, on either data-parallel
+    worker (tp = 1 schedulers: requests go round robin) and at tp = 2. Runs after the dp2
+    test, whose metrics count from the server's start."""
+    prompt = [(13 * i + 5) % 700 + 30 for i in range(10)]
+
+    def text(server, policy, **sampling):
+        out = server.generate(input_ids=prompt, max_new_tokens=150, sampling_params={
+            "ignore_eos": True, "custom_params": {"kv_evict": {"policy": policy}}, **sampling})
+        assert out["meta_info"]["kv_evicted_tokens"] > 0
+        return out["output_ids"]
+
+    for policy in STOCHASTIC:
+        first = text(dp2_server, policy)
+        assert text(dp2_server, policy) == first, policy  # the other worker
+        assert text(tp2_server, policy) == first, policy
+    # The draws decide the text (so the equalities above could fail): other keys, other texts.
+    assert text(dp2_server, "random", sampling_seed=1) != text(dp2_server, "random",
+                                                               sampling_seed=2)
+    dp2_server.wait_idle_checked()

@@ -58,8 +58,7 @@ def test_own_settings_equal_a_server_started_with_them(servers):
 def test_mixed_settings_in_one_batch(servers):
     """Requests with different settings run in the same decode batches (grouped per config)
     and each gets its solo output."""
-    # Budgets at most the server's 32 (its --kv-evict-max-budget default).
-    settings = [None, False, OWN, {"policy": "streaming", "budget": 16}, {"budget": 24}]
+    settings = [None, False, OWN, {"policy": "streaming", "budget": 40}, {"budget": 24}]
     alone = [_gen(servers["evict"], s) for s in settings]
     results = [None] * len(settings)
 

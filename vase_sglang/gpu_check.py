@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("environment", "warm_up", "kernels", "graph_capture", "hf_reference", "eviction_step")
+SECTIONS = ("environment", "warm_up", "kernels", "graph_capture", "step_timer", "hf_reference",
+            "eviction_step")
 # Scores of the Triton kernels against their fp32 torch references (docs/gpu.md, "Tolerances"):
 # on a GPU the dots run on tensor cores (bf16/fp16 operands as they are, fp32 as tf32x3, fp32
 # accumulation in the MMA's own order and rounding, unknown until a GPU runs), so rtol 1e-3:
@@ -456,6 +457,47 @@ def graph_capture(ctx) -> dict:
     return result
 
 
+def step_timer(ctx) -> dict:
+    """The server's device timing of eviction steps (patches/timing.py: vase:eviction_device_
+    seconds): CUDA events around a step, read only once finished. A ~50 ms kernel between
+    start and stop: read right away, nothing is reported and the read does not wait (no sync,
+    under set_sync_debug_mode("error")); after the device finishes, its time is. On CPU the
+    host time of the work is reported at once."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("vase_timing", ROOT / "patches" / "timing.py")
+    timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timing)  # patches/timing.py imports only torch, not SGLang
+    timer = timing.StepTimer(ctx.device)
+    if ctx.device.type != "cuda":
+        timer.start()
+        torch.randn(256, 256) @ torch.randn(256, 256)
+        timer.stop()
+        done = timer.finished()
+        return {"status": "ok" if len(done) == 1 and done[0] >= 0 else "failed",
+                "device": "cpu", "seconds": done}
+    torch.cuda.synchronize(ctx.device)
+    cycles = int(1e8)  # ~50 ms at 2 GHz
+    timer.start()
+    torch.cuda._sleep(cycles)
+    timer.stop()
+    t0 = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        early = timer.finished()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    read_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize(ctx.device)
+    done = timer.finished()
+    ok = early == [] and read_ms < 5 and len(done) == 1 and 0.005 < done[0] < 5
+    return {"status": "ok" if ok else "failed", "sleep_cycles": cycles,
+            "read_while_running": early, "read_ms": round(read_ms, 3),
+            "device_seconds_after": done}
+
+
 def hf_reference(ctx) -> dict:
     if not _installed("transformers"):
         return {"status": "skipped", "reason": "transformers not installed"}
@@ -579,7 +621,7 @@ class Context:
 
 
 RUNNERS = {"environment": environment, "warm_up": warm_up, "kernels": kernels,
-           "graph_capture": graph_capture,
+           "graph_capture": graph_capture, "step_timer": step_timer,
            "hf_reference": hf_reference, "eviction_step": eviction_step}
 
 
