@@ -285,13 +285,14 @@ class EvictionRuntime:
     def _evict_group(self, batch, cfg, members, n, sinks, new_lens) -> int:
         """Evict one group; returns the slots freed (a host count: nothing is read back)."""
         reqs = [batch.reqs[i] for i in members]
-        rows, starts, request, rounds, first_query = self._stage(
+        rows, starts, request, rounds, first_query, seeds = self._stage(
             [r.kv.req_pool_idx for r in reqs],
             [r.kv.cache_protected_len for r in reqs],
             [request_key(r, cfg) for r in reqs],
             [state(r).rounds for r in reqs],
             # True length L: the newest query written is at position L - 1.
             [r.kv.kv_allocated_len + pos_offset(r) - cfg.window for r in reqs],
+            [request_config(r).seed for r in reqs],  # the group's cfg carries no seed
         )
         # Stream over chunks of requests and, inside, chunks of layers (and, for long caches,
         # chunks of candidates), so the gathers and score temporaries stay inside the
@@ -305,7 +306,7 @@ class EvictionRuntime:
             part = slice(r0, r0 + b_chunk)
             kept = self._evict_requests(cfg, n, sinks, l_chunk, rows[part], starts[part],
                                         request[part], rounds[part], first_query[part],
-                                        candidate_chunk=c_chunk)
+                                        seeds[part], candidate_chunk=c_chunk)
             if k is not None and kept != k:
                 raise ValueError(f"policy {cfg.policy!r}: kept {kept} tokens in one chunk, {k} "
                                  "in another")
@@ -332,7 +333,7 @@ class EvictionRuntime:
         return freed * len(reqs)
 
     def _evict_requests(self, cfg, n, sinks, l_chunk, rows, starts, request, rounds,
-                        first_query, candidate_chunk=None) -> int:
+                        first_query, seeds, candidate_chunk=None) -> int:
         """Every layer of a chunk of requests, l_chunk layers at a time (each unit's candidates
         candidate_chunk at a time where set); rewrites their rows and frees their dropped
         slots (device-only: the allocator's free is a torch.cat on page size 1). Returns how
@@ -357,7 +358,7 @@ class EvictionRuntime:
                 layer_ids=self.layer_ids, slots=slots, ring_index=ring_index,
                 request=request, rounds=rounds, sinks=sinks, side=side, now=now,
                 attention=self.attention, head_offset=self.kv_head_offset,
-                candidate_chunk=candidate_chunk,
+                candidate_chunk=candidate_chunk, seed=seeds[:, None],
             )
             if k is not None and keep.shape[-1] != k:
                 raise ValueError(f"policy {cfg.policy!r}: kept {keep.shape[-1]} tokens in one "
@@ -531,8 +532,8 @@ def _to_device(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def group_bytes(num_requests: int) -> int:
-    """Device memory a group holds across all its chunks: the staged ids [5, B] int64."""
-    return 4096 + num_requests * 5 * 8
+    """Device memory a group holds across all its chunks: the staged ids [6, B] int64."""
+    return 4096 + num_requests * 6 * 8
 
 
 def request_bytes(n: int, window: int) -> int:
@@ -649,7 +650,9 @@ def allocate_workspace(cfg, shapes, device, max_requests: int = 4096, *,
 def _add_to_group(groups, cfg, req, i, private) -> None:
     n = private - cfg.window  # candidates: all private tokens but the newest window
     sinks = max(0, cfg.sinks - req.kv.cache_protected_len)
-    groups.setdefault((cfg, n, sinks), []).append(i)
+    # Seeds are passed per request (a tensor): requests differing only in their seed share a
+    # group, so a client's many seeds do not split a step into many small selections.
+    groups.setdefault((cfg.replace(seed=0), n, sinks), []).append(i)
 
 
 def request_key(req, cfg: EvictionConfig) -> int:

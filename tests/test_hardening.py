@@ -176,3 +176,35 @@ def test_step_device_time_is_read_when_finished_without_waiting():
     cpu.stop()
     (seconds,) = cpu.finished()
     assert 0 <= seconds < 1
+
+
+def test_a_seed_tensor_draws_what_each_seed_draws_alone():
+    """Per-request seeds go to the selection as a tensor, one per request, so requests that
+    differ only in their seed share one batched selection (one settings group)."""
+    from vase_sglang import select_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    cfg = EvictionConfig(policy="vase-attnv", budget=24, window=8)
+    k, v = torch.randn(3, 2, 2, 40, 16, generator=gen), torch.randn(3, 2, 2, 40, 16, generator=gen)
+    q = torch.randn(3, 2, 4, 8, 16, generator=gen)
+    ids = dict(request=torch.tensor([[5], [6], [7]]), layer=torch.arange(2), round=1)
+    seeds = [9, 5, 1234]
+    together = select_tokens(cfg, k, v, q, seed=torch.tensor(seeds)[:, None], **ids)
+    for i, seed in enumerate(seeds):
+        alone = select_tokens(cfg.replace(seed=seed), k[i:i + 1], v[i:i + 1], q[i:i + 1],
+                              request=torch.tensor([[5 + i]]), layer=torch.arange(2), round=1)
+        assert torch.equal(together[i:i + 1], alone), seed
+    assert not torch.equal(together, select_tokens(cfg, k, v, q, **ids))  # seeds matter
+
+
+def test_requests_differing_only_in_their_seed_share_a_settings_group():
+    cfg = EvictionConfig(policy="random", budget=16, window=8)
+    with serving(cfg) as rt:
+        reqs = [_req(f"r{i}", [1, 2, 3, 4], {"seed": seed}) for i, seed in enumerate((1, 2, 3))]
+        reqs.append(_req("r3", [1, 2, 3, 4], {"budget": 24}))
+        for i, req in enumerate(reqs):
+            req.kv.req_pool_idx, req.kv.cache_protected_len = i, 4
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = 4 + 40
+            req.decode_batch_idx = 5
+        groups = rt.due_groups(_batch(reqs))
+        assert sorted(groups.values()) == [[0, 1, 2], [3]]

@@ -79,8 +79,9 @@ class Draws:
     head_offset: int = 0
 
     @classmethod
-    def make(cls, seed: int, batch_shape, device, request=None, layer=None, round=0,
+    def make(cls, seed, batch_shape, device, request=None, layer=None, round=0,
              head_offset: int = 0) -> "Draws":
+        """seed: an int, or a tensor broadcasting to the batch shape (one seed per element)."""
         if request is None and layer is None:
             # No identities given: each batch element is its own stream.
             count = 1
@@ -90,14 +91,18 @@ class Draws:
         request = torch.as_tensor(0 if request is None else request, device=device)
         layer = torch.as_tensor(0 if layer is None else layer, device=device)
         round = torch.as_tensor(round, device=device)
+        seed_shape = seed.shape if isinstance(seed, torch.Tensor) else ()
         try:
-            shape = torch.broadcast_shapes(tuple(batch_shape), request.shape, layer.shape, round.shape)
+            shape = torch.broadcast_shapes(tuple(batch_shape), request.shape, layer.shape,
+                                           round.shape, seed_shape)
         except RuntimeError:
             shape = None
         if shape != tuple(batch_shape):
             raise ValueError(
-                f"request/layer/round: shapes {tuple(request.shape)}, {tuple(layer.shape)}, "
-                f"{tuple(round.shape)} do not broadcast to the batch shape {tuple(batch_shape)}"
+                f"request/layer/round{'/seed' if seed_shape else ''}: shapes "
+                f"{tuple(request.shape)}, {tuple(layer.shape)}, {tuple(round.shape)}"
+                f"{', ' + str(tuple(seed_shape)) if seed_shape else ''} do not broadcast to the "
+                f"batch shape {tuple(batch_shape)}"
             )
         gen = rng.stream_key(seed, request, layer, device=device).expand(shape)
         per_round = rng.stream_key(seed, request, layer, round + 1, device=device).expand(shape)
@@ -465,6 +470,7 @@ def select_tokens(
     head_offset: int = 0,
     retention: Retention | None = None,
     chunk: int | None = None,
+    seed=None,
 ) -> torch.Tensor:
     """Candidate indices to keep, LongTensor [..., H_kv, budget - window], ascending per head.
 
@@ -481,6 +487,9 @@ def select_tokens(
     chunk: score the candidates `chunk` tokens at a time (the streamed path, for candidates
     whose score temporaries do not fit in memory: vase_sglang/stream_select.py); the same
     selection up to float summation order. Policies that cannot stream raise ValueError.
+    seed: the draws' seed, an int or a tensor broadcasting to the batch dims (an engine's
+    requests with their own seeds in one batch); default cfg.seed. Element-wise it draws
+    exactly what cfg.replace(seed=that value) draws.
     """
     if not isinstance(cfg, EvictionConfig):
         raise ValueError(f"cfg: expected an EvictionConfig, got {type(cfg).__name__}")
@@ -493,7 +502,7 @@ def select_tokens(
     policy, draws, sinks = _prepare(cfg, keys, values, queries, keys.device, request=request,
                                     layer=layer, round=round, sinks=sinks, attention=attention,
                                     head_offset=head_offset, retention=retention,
-                                    streamed=candidates is not None)
+                                    streamed=candidates is not None, seed=seed)
     if candidates is not None:
         return policy.select_streamed(candidates, queries, draws, sinks, check=check)
     return policy.select(keys, values, queries, draws, sinks, check=check)
@@ -502,7 +511,8 @@ def select_tokens(
 def select_candidates(cfg: EvictionConfig, candidates, queries: torch.Tensor | None = None, *,
                       request=None, layer=None, round=0, sinks: int | None = None,
                       check: bool = True, attention: AttentionParams | None = None,
-                      head_offset: int = 0, retention: Retention | None = None) -> torch.Tensor:
+                      head_offset: int = 0, retention: Retention | None = None,
+                      seed=None) -> torch.Tensor:
     """select_tokens over candidates read chunk by chunk (a stream_select.Candidates, e.g. an
     engine's gathers from its KV pool into a bounded workspace); same arguments otherwise.
     cfg must evict with a policy that streams (Policy.streams)."""
@@ -512,12 +522,13 @@ def select_candidates(cfg: EvictionConfig, candidates, queries: torch.Tensor | N
     like = torch.empty((), device="meta").expand(*candidates.shape, candidates.head_dim)
     policy, draws, sinks = _prepare(cfg, like, like, queries, candidates.device, request=request,
                                     layer=layer, round=round, sinks=sinks, attention=attention,
-                                    head_offset=head_offset, retention=retention, streamed=True)
+                                    head_offset=head_offset, retention=retention, streamed=True,
+                                    seed=seed)
     return policy.select_streamed(candidates, queries, draws, sinks, check=check)
 
 
 def _prepare(cfg, keys, values, queries, device, *, request, layer, round, sinks, attention,
-             head_offset, retention, streamed):
+             head_offset, retention, streamed, seed=None):
     """select_tokens' checks, then (policy, draws, sinks). keys / values give the shapes."""
     if attention is None:
         attention = AttentionParams()
@@ -533,6 +544,6 @@ def _prepare(cfg, keys, values, queries, device, *, request, layer, round, sinks
     if streamed and not policy.streams():
         raise ValueError(f"chunk: policy {cfg.policy!r} cannot score candidates chunk by chunk "
                          f"(it defines no score_streamed, or overrides select or forced)")
-    draws = Draws.make(cfg.seed, keys.shape[:-3], device, request, layer, round,
-                       head_offset=head_offset)
+    draws = Draws.make(cfg.seed if seed is None else seed, keys.shape[:-3], device, request,
+                       layer, round, head_offset=head_offset)
     return policy, draws, sinks

@@ -34,10 +34,15 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def stream_key(seed: int, *parts, device=None) -> torch.Tensor:
-    """Hash (seed, *parts) into one 32-bit key per element; parts broadcast like tensors."""
-    # torch.full, not torch.tensor: a Python int becomes a fill on the device, not a
-    # synchronising host-to-device copy (the eviction step must not block the CPU).
-    key = mix32(torch.full((), seed & ((1 << 63) - 1), dtype=torch.int64, device=device))
+    """Hash (seed, *parts) into one 32-bit key per element; seed (an int or an int tensor)
+    and parts broadcast like tensors."""
+    mask = (1 << 63) - 1
+    if isinstance(seed, torch.Tensor):
+        key = mix32(seed.to(device=device, dtype=torch.int64) & mask)
+    else:
+        # torch.full, not torch.tensor: a Python int becomes a fill on the device, not a
+        # synchronising host-to-device copy (the eviction step must not block the CPU).
+        key = mix32(torch.full((), seed & mask, dtype=torch.int64, device=device))
     for i, part in enumerate(parts):
         if isinstance(part, torch.Tensor):
             part = part.to(device=device, dtype=torch.int64)

@@ -335,7 +335,8 @@ def trace_chunk(cfg: EvictionConfig, shapes: KVShapes, n: int, b: int, l: int, s
     with ops.planning_for(device), PeakMemory() as peak:
         keep = evict_chunk(cfg, k_buffers, v_buffers, ring, workspace, first_layer=0, num_layers=l,
                            layer_ids=layer_ids, slots=slots, ring_index=ring_index, request=ids,
-                           rounds=ids, sinks=sinks, side=side, now=ids, candidate_chunk=chunk)
+                           rounds=ids, sinks=sinks, side=side, now=ids, candidate_chunk=chunk,
+                           seed=ids[:, None])  # per-request seeds, as the engine passes them
         del keep
     return buffer_bytes, peak.peak
 
