@@ -103,8 +103,8 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None,
 def check_limits(changes: dict, cfg: EvictionConfig, server: EvictionConfig,
                  limits: RequestLimits) -> None:
     """Refuse what one request may not choose on this server (settings.RequestLimits): one
-    client must not be able to push a step past its workspace, force a round on every decode
-    step, or split every step into many small settings groups."""
+    client must not be able to hold an unbounded cache, force a round on every decode step,
+    or split every step into many small settings groups."""
     if cfg.budget > limits.max_budget:
         _fail("budget", f"must be <= {limits.max_budget}, this server's limit "
                         f"({flag_name(MAX_BUDGET)}); got {cfg.budget}")

@@ -18,7 +18,6 @@ policies registered there with `vase_sglang.register_policy` can be named.
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 
 from vase_sglang import POLICIES, POLICY_NAMES, EvictionConfig
