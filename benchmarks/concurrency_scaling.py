@@ -472,6 +472,9 @@ def main(argv=None) -> int:
     n = args.max_total_tokens
     # the server's prompts are longer than --input-len (re-tokenized text): 2x slack
     ceiling_pool = int(args.num_prompts * (2 * args.input_len + args.output_len) * 1.05) + 1024
+    # The query ring's rows are sized for the client's nominal prompt length: the server's
+    # (longer, re-tokenized) prompts then never make the ring cap the running requests.
+    ring = ["--kv-evict-expected-prompt-len", str(args.input_len)]
     arms = []
     for page in args.page_size:
         sfx = page_suffix(page)
@@ -481,14 +484,14 @@ def main(argv=None) -> int:
             for p in args.policies:
                 arms.append((f"{p}@N{sfx}", ["--kv-evict-policy", p, "--kv-evict-budget",
                                              str(args.budget), "--kv-evict-window",
-                                             str(args.window)], n, page))
+                                             str(args.window), *ring], n, page))
         if "vase-dp2" in args.arms:
             for p in args.policies:
                 # the pool flag is per worker: N/2 each, N in all
                 arms.append((f"{p}@N-dp2{sfx}", ["--dp-size", "2", "--kv-evict-policy", p,
                                                   "--kv-evict-budget", str(args.budget),
-                                                  "--kv-evict-window", str(args.window)],
-                             n // 2, page))
+                                                  "--kv-evict-window", str(args.window),
+                                                  *ring], n // 2, page))
         if "ceiling" in args.arms:
             arms.append((f"ceiling{sfx}", [], ceiling_pool, page))
 
