@@ -99,7 +99,6 @@ def around_profile(original, self, *args, **kwargs):
     available = original(self, *args, **kwargs)
     from sglang.srt.runtime_context import get_schedule
 
-    from .admission import charge_len
     from .model_runner import _attention_layers
     from .runtime import side_bytes_per_token, workspace_bytes
     from .settings import (PROMPT_LEN, config_from_env, flag_name, gates_path_from_env,
@@ -149,9 +148,10 @@ def around_profile(original, self, *args, **kwargs):
     per_row = ring_bytes(len(layers), 1, cfg.window, shapes.q_heads, shapes.head_dim,
                          dtype.itemsize)
     prompt = prompt_len_from_env()
-    charge = charge_len(cfg, get_schedule().page_size or 1)
-    rows, _row_cap = ring_rows(available, per_row, requested, ring_tokens_per_request(
-        cfg, get_schedule().page_size or 1, prompt), kv_per_token, get_schedule().max_total_tokens)
+    tokens = ring_tokens_per_request(cfg, get_schedule().page_size or 1, prompt)
+    charge = tokens - prompt
+    rows, _row_cap = ring_rows(available, per_row, requested, tokens, kv_per_token,
+                               get_schedule().max_total_tokens)
     reserve = rows * per_row
     logger.info(
         "VaSE query ring: reserving %.1f MiB (%d bytes of %s) for %d request rows%s",
