@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Time ONE eviction step as the SGLang server runs it: `EvictionRuntime.evict(batch)` of
-patches/runtime.py (imported as vase_sglang_patches.runtime; the benchmark stops if it cannot
-be, rather than time a copy), on a fake KV pool. The step gathers the candidates' K/V and the
+"""Time ONE eviction step as the SGLang server runs it: `step.evict(rt, batch)` of
+patches/step.py (imported as vase_sglang_patches; the benchmark stops if it cannot be, rather
+than time a copy), on a fake KV pool. The step gathers the candidates' K/V and the
 window queries, scores and selects (select_tokens), compacts the pool, rewrites the
 req_to_token rows, frees the dropped slots and updates the lengths. Its input is a stand-in
 batch (objects with the fields of SGLang's Req / ScheduleBatch that the step reads and writes,
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import platform
@@ -287,7 +288,7 @@ def load_runtime_module():
     return module
 
 
-# Stand-ins for the SGLang objects EvictionRuntime.evict reads and writes (Req, Req.kv,
+# Stand-ins for the SGLang objects step.evict reads and writes (Req, Req.kv,
 # ScheduleBatch, the token allocator): the benchmark's input, not the thing measured.
 
 
@@ -344,6 +345,7 @@ class FakeServer:
         self.shape, self.b, self.t, self.r = shape, b, t, r
         self.device = torch.device(device)
         self.module = runtime_module
+        self.step = importlib.import_module("vase_sglang_patches.step")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         num_slots = b * (t + r) + 1
         buf_shape = (num_slots, shape.kv_heads, shape.head_dim)
@@ -397,7 +399,7 @@ def _sync(device):
 
 
 def run_step(server: FakeServer, cfg, backend: str) -> float:
-    """One real eviction step, EvictionRuntime.evict(batch), on a fresh batch; its seconds.
+    """One real eviction step, step.evict(rt, batch), on a fresh batch; its seconds.
     Fails unless it evicted every request down to its budget."""
     os.environ["VASE_KERNELS"] = backend
     rt = server.runtime(cfg)
@@ -406,7 +408,7 @@ def run_step(server: FakeServer, cfg, backend: str) -> float:
     try:
         _sync(server.device)
         t0 = time.perf_counter()
-        freed = rt.evict(batch)
+        freed = server.step.evict(rt, batch)
         _sync(server.device)
         seconds = time.perf_counter() - t0
     finally:

@@ -18,11 +18,13 @@ its processes. Each module here hooks one SGLang subsystem and lists its exact t
                                                                          early when memory is short
                 ScheduleBatch._get_decode_retraction_order               uncompacted retracted first
                 Req.reset_for_retract                                    retraction
+                mem_cache.common.release_kv_cache                        compacted slots stay
+                                                                         out of the radix tree
                 Req._compute_max_prefix_len,                             a re-prefilled request's
                 UnifiedRadixCache.checkpoint                             outputs stay private
-  admission     PrefillAdder.add_one_req / add_chunked_req,              capped footprints
-                PrefillAdder._get_running_request_total_token_offset,
-                schedule_policy.CLIP_MAX_NEW_TOKENS
+  footprint     PrefillAdder.add_one_req / add_chunked_req,              capped footprints
+                PrefillAdder._check_prefill_budget / _update_prefill_budget,  (code shapes they
+                PrefillAdder._get_running_request_total_token_offset     rely on: SHAPES)
   output        SchedulerOutputStreamer / TokenizerManager               meta_info count
   request_control  SamplingParams.verify                                 per-request kv_evict,
                                                                          HTTP 400 on bad values
@@ -38,8 +40,8 @@ from __future__ import annotations
 import logging
 import pkgutil
 
-from . import (admission, distributed_cpu, memory, metrics, model_runner, output, request_control, rotary_cpu,
-               scheduler, server_args, settings)
+from . import (distributed_cpu, footprint, memory, metrics, model_runner, output, request_control,
+               rotary_cpu, scheduler, server_args, settings)
 from .settings import configure
 
 logger = logging.getLogger("vase_sglang")
@@ -57,16 +59,17 @@ def planned_hooks(cfg) -> list[tuple[str, str, object]]:
     if distributed_cpu.needed():
         hooks += distributed_cpu.HOOKS
     if cfg is not None and cfg.evicts:
-        hooks += (memory.HOOKS + model_runner.HOOKS + scheduler.HOOKS + admission.HOOKS
+        hooks += (memory.HOOKS + model_runner.HOOKS + scheduler.HOOKS + footprint.HOOKS
                   + output.SCHEDULER_HOOKS + metrics.HOOKS)
     return hooks
 
 
-def check_targets(hooks, data_targets=()) -> None:
-    """Every target must exist in the installed SGLang. SGLang's HookRegistry only logs a
-    failed patch, which would leave eviction silently half-installed, so stop the process."""
-    missing = []
-    for target in [t for t, _kind, _fn in hooks] + list(data_targets):
+def check_targets(hooks, shapes=()) -> None:
+    """Every target must exist in the installed SGLang, and the code shapes some hooks rely on
+    (footprint.SHAPES) must hold. SGLang's HookRegistry only logs a failed patch, which would
+    leave eviction silently half-installed, so stop the process."""
+    missing = footprint.check_shapes(shapes) if shapes else []
+    for target in [t for t, _kind, _fn in hooks]:
         try:
             pkgutil.resolve_name(target)
         except (ImportError, AttributeError) as err:
@@ -90,7 +93,7 @@ def register() -> None:
         # load_plugins() swallows exceptions; a bad setting must stop the process instead.
         raise SystemExit(f"vase-sglang: {err}") from None
     hooks = planned_hooks(cfg)
-    check_targets(hooks, admission.DATA_TARGETS if cfg is not None and cfg.evicts else ())
+    check_targets(hooks, footprint.SHAPES if cfg is not None and cfg.evicts else ())
     for target, kind, fn in hooks:
         HookRegistry.register(target, fn, HookType[kind])
 

@@ -13,7 +13,7 @@ layers x window x q_heads x head_dim elements, often as much as the request's wh
 memory taken from the pool, so without an explicit --max-running-requests the rows are solved
 together with the pool: with A bytes available, a ring row costing r bytes and a request
 holding c tokens of b bytes (its prompt, assumed --kv-evict-expected-prompt-len tokens, plus
-what admission charges its private cache, admission.charge_len),
+what admission charges its private cache, footprint.charge_len),
     (cap + 1) r + cap c b <= A   =>   cap = (A - r) // (c b + r)
 (SGLang's request table has cap + 1 rows), and SGLang's max_running_requests is capped to it.
 Without the prompt, long-prompt traffic would leave most rows idle (Qwen3-4B shapes, T = 1024,
@@ -53,11 +53,6 @@ def query_ring_dtype(kv_cache_dtype, model_dtype):
     return model_dtype
 
 
-def ring_bytes(num_layers: int, rows: int, window: int, num_q_heads: int, head_dim: int,
-               element_size: int) -> int:
-    return num_layers * rows * window * num_q_heads * head_dim * element_size
-
-
 def ring_rows(available: int, per_row: int, requested: int | None, tokens_per_request: int,
               kv_bytes_per_token: int, max_pool_tokens: int | None = None
               ) -> tuple[int, int | None]:
@@ -78,7 +73,7 @@ def ring_rows(available: int, per_row: int, requested: int | None, tokens_per_re
 def ring_tokens_per_request(cfg, page_size: int, prompt_len: int) -> int:
     """Pool tokens a running request holds, as the ring's rows are sized: its prompt (the
     expected length) and what admission charges its private cache."""
-    from .admission import charge_len
+    from .footprint import charge_len
 
     return prompt_len + charge_len(cfg, page_size)
 
@@ -86,7 +81,7 @@ def ring_tokens_per_request(cfg, page_size: int, prompt_len: int) -> int:
 def kv_shapes(layers, kv_dtype: torch.dtype, window: int, model_dtype: torch.dtype | None = None):
     """The KVShapes of an eviction step from the model's attention layers; the ring has the
     dtype after_post_pool allocates it with (query_ring_dtype)."""
-    from vase_sglang.workspace import KVShapes
+    from vase_sglang.chunk import KVShapes
 
     ring_dtype = query_ring_dtype(kv_dtype, model_dtype or torch.bfloat16)
     return KVShapes(kv_heads=layers[0].tp_k_head_num, q_heads=layers[0].tp_q_head_num,
@@ -100,7 +95,7 @@ def around_profile(original, self, *args, **kwargs):
     from sglang.srt.runtime_context import get_schedule
 
     from .model_runner import _attention_layers
-    from .runtime import side_bytes_per_token, workspace_bytes
+    from vase_sglang.plan import ring_bytes, side_bytes_per_token, workspace_bytes
     from .settings import (PROMPT_LEN, config_from_env, flag_name, gates_path_from_env,
                            limits_from_env, prompt_len_from_env)
 

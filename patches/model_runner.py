@@ -11,7 +11,7 @@ from vase_sglang import capture
 from vase_sglang.capture import SCRATCH_ROW
 from vase_sglang.policies import POLICIES, AttentionParams
 
-from . import output, runtime, settings
+from . import output, runtime, settings, state
 from .memory import query_ring_dtype
 
 logger = logging.getLogger("vase_sglang.eviction")
@@ -289,7 +289,7 @@ def after_forward_batch_init(ret, cls, batch, *args, **kwargs):
     rt.prepare_capture(ret)
     if not ret.forward_mode.is_decode():
         return ret
-    offsets = [runtime.pos_offset(req) for req in batch.reqs]
+    offsets = [state.pos_offset(req) for req in batch.reqs]
     if any(offsets):
         staged = capture.stage_host_ints(offsets, ret.positions.dtype, ret.positions.device)
         ret.positions = capture.offset_positions(ret.positions, staged)

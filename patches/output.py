@@ -8,7 +8,7 @@ as a list, which we collapse to the latest count."""
 
 from __future__ import annotations
 
-from . import runtime
+from . import runtime, state
 
 KEY = "kv_evicted_tokens"
 TARGET_STREAMER = (
@@ -31,7 +31,7 @@ def after_build_info(result, self, reqs):
     if runtime.RUNTIME is None:
         return result
     result = dict(result or {})
-    result[KEY] = [[runtime.evicted_tokens(req)] for req in reqs]
+    result[KEY] = [[state.evicted_tokens(req)] for req in reqs]
     return result
 
 

@@ -1,7 +1,7 @@
-"""Hooks on sglang.srt.managers: run the eviction step on the running decode batch (and an
-early one when the next step would not fit), retract uncompacted requests first, reset
-eviction state when a request is retracted, and keep its generated tokens out of the radix
-tree when it is re-prefilled."""
+"""Hooks on sglang.srt.managers and mem_cache: run the eviction step (step.py) on the running
+decode batch (and an early one when the next step would not fit), retract uncompacted requests
+first, reset eviction state when a request is retracted, keep compacted slots out of the radix
+tree when a request finishes, and its generated tokens out of it when it is re-prefilled."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from . import runtime
+from . import runtime, state, step
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -47,11 +47,11 @@ def evict_due(scheduler, rt, batch, finishing, early: bool = False) -> int:
     """Evict the requests of `batch` that are due (host state decides); returns the slots
     freed. Only a step that evicts orders the scheduler's stream after the forward in flight:
     a wait on every decode step would queue every next forward behind the previous one."""
-    groups = rt.due_groups(batch, skip=finishing, early=early)
+    groups = step.due_groups(rt, batch, skip=finishing, early=early)
     if not groups:
         return 0
     wait_for_forward(scheduler)
-    return rt.run(batch, groups)
+    return step.run(rt, batch, groups)
 
 
 def wait_for_forward(scheduler) -> None:
@@ -81,7 +81,7 @@ def uncompacted_last(order: list[int], reqs, by_priority: bool) -> list[int]:
     for i in order:  # priority blocks in SGLang's order; a single block without priorities
         rank.setdefault(reqs[i].priority if by_priority else None, len(rank))
     return sorted(order, key=lambda i: (rank[reqs[i].priority if by_priority else None],
-                                        not runtime.compacted(reqs[i])))
+                                        not state.compacted(reqs[i])))
 
 
 TARGET_CREATE_REQ = "sglang.srt.managers.scheduler.Scheduler._create_generation_req"
@@ -91,12 +91,25 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     """AFTER Scheduler._create_generation_req (SGLang's extension point for request-local
     state): derive the request's eviction settings once; settings this scheduler cannot apply
     abort the request with HTTP 400 before its prefill."""
-    runtime.check_new_request(req)
+    state.check_new_request(req)
     return req
 
 
 def after_reset_for_retract(result, req):
-    runtime.reset_request(req)
+    state.reset_request(req)
+
+
+TARGET_RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
+
+
+def around_release_kv_cache(original, req, tree_cache, *args, checkpoint, **kwargs):
+    """AROUND release_kv_cache (a finished or retracted request gives its row back; with
+    `checkpoint` the tree first keeps what it can key): a compacted request's slots no longer
+    hold the true tokens at their positions, so publishing them would poison the tree (and
+    free its slots twice). Retraction releases before Req.reset_for_retract clears the state."""
+    if checkpoint and state.compacted(req):
+        checkpoint = False
+    return original(req, tree_cache, *args, checkpoint=checkpoint, **kwargs)
 
 
 # A retracted request re-prefills origin_input_ids + output_ids. Stock SGLang matches all of
@@ -114,7 +127,7 @@ TARGET_TREE_CHECKPOINT = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixC
 def around_max_prefix_len(original, req, input_len):
     """AROUND Req._compute_max_prefix_len: an evicting request matches at most its prompt."""
     limit = original(req, input_len)
-    if runtime.request_config(req) is None:
+    if state.request_config(req) is None:
         return limit
     return min(limit, len(req.origin_input_ids))
 
@@ -122,7 +135,7 @@ def around_max_prefix_len(original, req, input_len):
 def around_tree_checkpoint(original, tree, req, *args, up_to, **kwargs):
     """AROUND UnifiedRadixCache.checkpoint (the running, not finished, request's insert): an
     evicting request publishes at most its prompt."""
-    if not req.finished() and runtime.request_config(req) is not None:
+    if not req.finished() and state.request_config(req) is not None:
         up_to = min(up_to, max(len(req.origin_input_ids), req.kv.cache_protected_len))
     return original(tree, req, *args, up_to=up_to, **kwargs)
 
@@ -132,6 +145,7 @@ HOOKS = [
     (TARGET_UPDATE_RUNNING_BATCH, "AROUND", around_update_running_batch),
     (TARGET_RETRACTION_ORDER, "AROUND", around_retraction_order),
     (TARGET_RESET_FOR_RETRACT, "AFTER", after_reset_for_retract),
+    (TARGET_RELEASE_KV, "AROUND", around_release_kv_cache),
     (TARGET_MAX_PREFIX_LEN, "AROUND", around_max_prefix_len),
     (TARGET_TREE_CHECKPOINT, "AROUND", around_tree_checkpoint),
 ]

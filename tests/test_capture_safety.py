@@ -326,13 +326,13 @@ def test_token_rows_send_unkept_and_padding_tokens_to_scratch():
 
 
 def test_forward_batch_hook_offsets_decode_positions_and_builds_extend_rows(monkeypatch):
-    from vase_sglang_patches import model_runner, runtime
+    from vase_sglang_patches import model_runner, runtime, state
 
     rt = make_runtime()
     monkeypatch.setattr(runtime, "RUNTIME", rt)
     reqs = [SimpleNamespace(), SimpleNamespace(), SimpleNamespace()]
-    runtime.state(reqs[0]).pos_offset = 40
-    runtime.state(reqs[2]).pos_offset = 7
+    state.state(reqs[0]).pos_offset = 40
+    state.state(reqs[2]).pos_offset = 7
     positions = torch.tensor([10, 11, 12, 0], dtype=torch.int64)  # one padding entry
     ret = SimpleNamespace(forward_mode=Mode.DECODE, positions=positions)
     out = model_runner.after_forward_batch_init(ret, None, SimpleNamespace(reqs=reqs), None)

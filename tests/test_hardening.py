@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vase_sglang import EvictionConfig
-from vase_sglang_patches import runtime
+from vase_sglang_patches import runtime, state, step
 from vase_sglang_patches import scheduler as scheduler_hooks
 from vase_sglang_patches.timing import StepTimer
 
@@ -63,21 +63,21 @@ def test_settings_the_scheduler_cannot_apply_abort_the_request():
         assert isinstance(bad.to_finish, FINISH_ABORT)
         assert bad.to_finish.status_code == 400
         assert bad.to_finish.message.startswith("kv_evict.window: must be >= the page size (64)")
-        assert runtime.request_config(bad) is None  # never served with other settings
+        assert state.request_config(bad) is None  # never served with other settings
         good = _req("good", [1, 2, 3], {"budget": 96})
         scheduler_hooks.after_create_req(good, None, None)
-        assert good.to_finish is None and runtime.request_config(good).budget == 96
+        assert good.to_finish is None and state.request_config(good).budget == 96
         # A request that reached the scheduler without the intake check (no path does today)
         # is finished at its next step, keeping its KV until SGLang frees it.
         late = _req("late", [1, 2, 3], {"window": 32})
-        assert runtime.request_config(late) is None
+        assert state.request_config(late) is None
         assert isinstance(late.to_finish, FINISH_ABORT) and list(late.origin_input_ids) == [1, 2, 3]
 
 
 def _key(req, cfg, length):
     """request_key at a true length of `length` tokens (the KV holds all of them)."""
     req.kv.kv_allocated_len = length
-    return runtime.request_key(req, cfg)
+    return state.request_key(req, cfg)
 
 
 def test_draws_are_keyed_by_the_request_content_not_its_rid():
@@ -206,5 +206,5 @@ def test_requests_differing_only_in_their_seed_share_a_settings_group():
             req.kv.req_pool_idx, req.kv.cache_protected_len = i, 4
             req.kv.kv_allocated_len = req.kv.kv_committed_len = 4 + 40
             req.decode_batch_idx = 5
-        groups = rt.due_groups(_batch(reqs))
+        groups = step.due_groups(rt, _batch(reqs))
         assert sorted(groups.values()) == [[0, 1, 2], [3]]

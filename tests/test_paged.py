@@ -279,7 +279,7 @@ def test_paged_admission_early_eviction_and_retraction(tiny_model_fp32, tokenize
     eviction, which is the step most likely to run short: early eviction could free nothing.)"""
     import re
 
-    from vase_sglang_patches.admission import charge_len
+    from vase_sglang_patches.footprint import charge_len
 
     budget, window = 64, 16
     args = ["--dtype", "float32", "--page-size", str(PAGE), "--kv-evict-policy", "vase-attnv",
@@ -313,7 +313,7 @@ def test_paged_admission_early_eviction_and_retraction(tiny_model_fp32, tokenize
 
 
 def test_freed_slots_are_whole_pages_past_the_new_length():
-    from vase_sglang_patches.runtime import freed_slots
+    from vase_sglang.rows import freed_slots
 
     # Page multiples: the newest window's pages move, the dropped candidates are whole pages.
     assert freed_slots(n=64, k=48, window=16, page_size=16) == 16

@@ -78,7 +78,7 @@ def test_offline_engine_evicts_with_environment_settings(tiny_model, tmp_path):
 
 
 def test_query_ring_rows_are_what_the_pool_beside_them_can_run():
-    from vase_sglang_patches.admission import charge_len
+    from vase_sglang_patches.footprint import charge_len
     from vase_sglang import EvictionConfig
     from vase_sglang_patches.memory import DEFAULT_MAX_ROWS, ring_bytes, ring_rows
 
@@ -111,7 +111,7 @@ def test_query_ring_rows_count_the_prompts_the_pool_also_holds():
     the ring reserved rows for 5x more requests than the pool can hold with their prompts:
     gigabytes of ring that never run. With the prompt length assumed, no row is idle."""
     from vase_sglang import EvictionConfig
-    from vase_sglang_patches.admission import charge_len
+    from vase_sglang_patches.footprint import charge_len
     from vase_sglang_patches.memory import ring_bytes, ring_rows, ring_tokens_per_request
     from vase_sglang_patches.settings import DEFAULT_PROMPT_LEN, prompt_len_from_values
 

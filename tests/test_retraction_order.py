@@ -3,14 +3,14 @@ SGLang's own order holds within each group, and priority blocks still come first
 
 from types import SimpleNamespace
 
-from vase_sglang_patches import runtime
+from vase_sglang_patches import state
 from vase_sglang_patches.scheduler import uncompacted_last
 
 
 def _req(rounds, priority=None):
     req = SimpleNamespace(priority=priority)
     if rounds:
-        runtime.state(req).rounds = rounds
+        state.state(req).rounds = rounds
     return req
 
 
@@ -31,7 +31,6 @@ def test_priority_blocks_outrank_compaction():
 
 def test_retracted_request_counts_as_uncompacted_again():
     req = _req(3)
-    assert runtime.compacted(req)
-    req.skip_radix_cache_insert = False
-    runtime.reset_request(req)
-    assert not runtime.compacted(req)
+    assert state.compacted(req)
+    state.reset_request(req)
+    assert not state.compacted(req)

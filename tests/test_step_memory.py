@@ -1,6 +1,6 @@
 """The eviction step's memory is bounded by its workspace (issue 10, item 2).
 
-The large cases run the real step (patches/runtime.py) on meta tensors under PeakMemory:
+The large cases run the real step (patches/step.py) on meta tensors under PeakMemory:
 nothing is allocated, every storage an op creates is followed until it is freed. The small
 case runs the real step on CPU and checks that chunking never changes a selection.
 """
@@ -17,9 +17,12 @@ from vase_sglang.ops import compact_kv_reference_, planning_for
 from vase_sglang.policies import POLICIES, Retention, RKVPolicy, mean_cosine_to_others
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vase_sglang.workspace import (STREAM_CHUNK, KVShapes, PeakMemory, PoolCandidates, Workspace,
-                                   chunk_cost, kv_reads, plan_chunks, plan_step, trace_chunk)
-from vase_sglang_patches import runtime
+from vase_sglang import rows
+from vase_sglang.chunk import KVShapes, PoolCandidates, Workspace, kv_reads
+from vase_sglang.plan import (STREAM_CHUNK, PeakMemory, _request_like, chunk_cost, group_bytes,
+                              plan_chunks, plan_step, step_cost, streamed_policies, trace_chunk,
+                              workspace_bytes)
+from vase_sglang_patches import runtime, state, step
 from vase_sglang_patches.memory import kv_shapes
 
 torch.set_num_threads(1)
@@ -100,7 +103,7 @@ def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, 
 
 
 def _meta_workspace(cfg, shapes, device):
-    buffer, headroom, *_ = runtime.workspace_bytes(cfg, shapes, device)
+    buffer, headroom, *_ = workspace_bytes(cfg, shapes, device)
     return Workspace(torch.empty(buffer, dtype=torch.uint8, device="meta"), headroom)
 
 
@@ -119,7 +122,7 @@ def test_step_peak_memory_stays_inside_the_reserved_workspace(policy, requests, 
     monkeypatch.setattr(runtime, "RUNTIME", rt)
     rt.device_type = device  # meta tensors standing for this device's step
     with planning_for(device), PeakMemory() as peak:
-        freed = rt.evict(batch)
+        freed = step.evict(rt, batch)
     assert freed == requests * (cfg.budget - cfg.keep)
     assert workspace.overflows == 0  # every gather was a view of the buffer
     assert workspace.buffer_bytes + peak.peak <= workspace.size
@@ -129,7 +132,7 @@ def test_default_workspace_figures_for_qwen3_4b():
     """The figures docs/memory.md quotes (Triton path, T = 2048, window 64)."""
     cfg = EvictionConfig(policy="vase-attnv", budget=2048, window=64)
     shapes = KVShapes(8, 32, 128, torch.bfloat16, torch.bfloat16, 64)
-    buffer, headroom, units, *_ = runtime.workspace_bytes(cfg, shapes, "cuda")
+    buffer, headroom, units, *_ = workspace_bytes(cfg, shapes, "cuda")
     assert units == 64
     assert 500 * 2**20 < buffer + headroom < 700 * 2**20
 
@@ -138,8 +141,8 @@ def test_too_small_a_workspace_is_refused_naming_the_flag():
     cfg = EvictionConfig(policy="snapkv", budget=2048, window=64, workspace_mb=4)
     shapes = KVShapes(8, 32, 128, torch.bfloat16, torch.bfloat16, 64)
     with pytest.raises(ValueError, match="--kv-evict-workspace-mb: 4 MiB cannot hold one"):
-        runtime.workspace_bytes(cfg, shapes, "cuda")
-    buffer, headroom, units, *_ = runtime.workspace_bytes(cfg.replace(workspace_mb=100), shapes,
+        workspace_bytes(cfg, shapes, "cuda")
+    buffer, headroom, units, *_ = workspace_bytes(cfg.replace(workspace_mb=100), shapes,
                                                           "cuda")
     assert buffer + headroom == 100 * 2**20 and units >= 1
 
@@ -157,7 +160,7 @@ def test_cost_model_bounds_traced_chunks(policy, device):
 
 
 def test_plan_chunks_streams_layers_and_refuses_what_cannot_fit():
-    from vase_sglang.workspace import ChunkCost
+    from vase_sglang.plan import ChunkCost
 
     cost = ChunkCost(gather_per_unit=1024, per_unit=512, per_request=256)
     # All 64 requests of a layer fit, and two layers at a time.
@@ -172,7 +175,7 @@ def test_plan_chunks_streams_layers_and_refuses_what_cannot_fit():
 def test_plan_step_streams_candidates_only_where_a_unit_does_not_fit():
     """Pure arithmetic: the plain stage where one unit fits; else one unit at a time with the
     largest candidate chunk (a power of two below n) that fits; None where nothing does."""
-    from vase_sglang.workspace import ChunkCost, StepPlan
+    from vase_sglang.plan import ChunkCost, StepPlan
 
     def cost_of(chunk):  # gathers 8 bytes per candidate, temporaries 100 + 2 per candidate
         c = 1000 if chunk is None else chunk
@@ -212,18 +215,18 @@ def test_long_private_cache_step_stays_inside_the_reserved_workspace(policy, dev
     pass, as the plan does (meta tensors cost ~1 ms an op)."""
     cfg = EvictionConfig(policy=policy, budget=budget, window=64, workspace_mb=workspace_mb,
                          value_slots=256 if policy == "trimkv" else None)  # trimkv: reads V
-    size = runtime.workspace_bytes(cfg, QWEN3_SHAPES, device, max_candidates=n)
+    size = workspace_bytes(cfg, QWEN3_SHAPES, device, max_candidates=n)
     workspace = Workspace(torch.empty(size.buffer, dtype=torch.uint8, device="meta"), size.headroom)
     rt, batch = _step(cfg, **dict(QWEN3_4B, layers=layers), requests=2, device="meta",
                       workspace=workspace, candidates=[budget, n])
     monkeypatch.setattr(runtime, "RUNTIME", rt)
     rt.device_type = device
-    plan = rt._plan(cfg, n, 1)  # the plan's costs are traced (and cached) as a server's are
+    plan = step.plan_group(rt, cfg, n, 1)  # the plan's costs are traced (and cached) as a server's are
     assert (plan.chunk is None) == (workspace_mb is None and budget == 2048), plan
     if layers < 36:
         monkeypatch.setattr(PoolCandidates, "META_SPANS", None)  # every chunk
     with planning_for(device), PeakMemory() as peak:
-        freed = rt.evict(batch)
+        freed = step.evict(rt, batch)
     assert freed == (cfg.budget - cfg.keep) + (n - cfg.keep)
     assert workspace.overflows == 0  # every gather was a view of the buffer
     assert workspace.buffer_bytes + peak.peak <= workspace.size
@@ -233,30 +236,30 @@ def test_workspace_holds_a_streamed_unit_of_the_context_and_a_unit_at_max_budget
     """The sizing: DEFAULT_UNITS units at the budget, one unit at max_budget at once, and (for
     every policy a request may choose that streams) a unit of the context streamed."""
     cfg = EvictionConfig(policy="snapkv", budget=256, window=64)
-    small = runtime.workspace_bytes(cfg, QWEN3_SHAPES, "cuda")
+    small = workspace_bytes(cfg, QWEN3_SHAPES, "cuda")
     assert small.units == 64 and small.max_budget == 256 and small.max_candidates == 256
-    size = runtime.workspace_bytes(cfg, QWEN3_SHAPES, "cuda", max_budget=8192,
+    size = workspace_bytes(cfg, QWEN3_SHAPES, "cuda", max_budget=8192,
                                    max_candidates=131072)
     assert size.buffer >= small.buffer and size.headroom >= small.headroom
     assert "budget 8192" in size.describe() and "131072 tokens, streamed" in size.describe()
-    headroom = size.headroom - runtime.group_bytes(1)
+    headroom = size.headroom - group_bytes(1)
     big = cfg.replace(budget=8192)
-    cost = runtime.step_cost(big, QWEN3_SHAPES, 8192, "cuda")
+    cost = step_cost(big, QWEN3_SHAPES, 8192, "cuda")
     assert plan_chunks(cost, 1, 36, size.buffer, headroom) is not None  # at once
-    assert set(runtime.streamed_policies(cfg)) == set(BUILT_IN)
-    for name in runtime.streamed_policies(cfg):  # streamed STREAM_CHUNK at a time, or better
-        other = runtime._request_like(cfg, name, 8192)
-        cost = runtime.step_cost(other, QWEN3_SHAPES, 131072, "cuda", STREAM_CHUNK)
+    assert set(streamed_policies(cfg)) == set(BUILT_IN)
+    for name in streamed_policies(cfg):  # streamed STREAM_CHUNK at a time, or better
+        other = _request_like(cfg, name, 8192)
+        cost = step_cost(other, QWEN3_SHAPES, 131072, "cuda", STREAM_CHUNK)
         assert cost.buffer(1, 1) <= size.buffer and cost.temporaries(1, 1) <= headroom, name
-    long = runtime._request_like(cfg, "snapkv", 8192)
-    plan = plan_step(lambda c: runtime.step_cost(long, QWEN3_SHAPES, 131072, "cuda", c),
+    long = _request_like(cfg, "snapkv", 8192)
+    plan = plan_step(lambda c: step_cost(long, QWEN3_SHAPES, 131072, "cuda", c),
                      131072, 1, 36, size.buffer, headroom)
     assert plan.chunk >= STREAM_CHUNK, plan
     # A server whose policy reads no queries serves no query policy per request.
-    assert "snapkv" not in runtime.streamed_policies(cfg.replace(policy="random"))
+    assert "snapkv" not in streamed_policies(cfg.replace(policy="random"))
     # A size that cannot hold the streamed unit is refused, naming the flag.
     with pytest.raises(ValueError, match="--kv-evict-workspace-mb: 2 MiB cannot hold one"):
-        runtime.workspace_bytes(cfg.replace(workspace_mb=2), QWEN3_SHAPES, "cuda",
+        workspace_bytes(cfg.replace(workspace_mb=2), QWEN3_SHAPES, "cuda",
                                 max_candidates=131072)
 
 
@@ -291,20 +294,20 @@ def test_streamed_step_equals_the_step_in_a_big_workspace(policy, value_slots, m
     cfg = EvictionConfig(policy=policy, budget=23, window=4, sinks=3, value_slots=value_slots)
     big, batch = _long_prompt_step(cfg, None)
     monkeypatch.setattr(runtime, "RUNTIME", big)
-    assert big._plan(cfg, 100, 1).chunk is None
-    big.evict(batch)
+    assert step.plan_group(big, cfg, 100, 1).chunk is None
+    step.evict(big, batch)
     shapes = big.shapes
-    plain = runtime.step_cost(cfg, shapes, cfg.budget, "cpu")
-    streamed = runtime.step_cost(cfg, shapes, 100, "cpu", 16)
+    plain = step_cost(cfg, shapes, cfg.budget, "cpu")
+    streamed = step_cost(cfg, shapes, 100, "cpu", 16)
     buffer = max(plain.buffer(1, 1), streamed.buffer(1, 1))
-    headroom = runtime.group_bytes(2) + max(plain.temporaries(1, 1), streamed.temporaries(1, 1))
+    headroom = group_bytes(2) + max(plain.temporaries(1, 1), streamed.temporaries(1, 1))
     small, batch = _long_prompt_step(cfg, Workspace(torch.empty(buffer, dtype=torch.uint8),
                                                     headroom))
     monkeypatch.setattr(runtime, "RUNTIME", small)
-    plan = small._plan(cfg, 100, 1)
+    plan = step.plan_group(small, cfg, 100, 1)
     if any(kv_reads(cfg)):  # random / streaming / plain trimkv read no K/V: at once
         assert plan.chunk is not None and plan.chunk < 100, plan
-    small.evict(batch)
+    step.evict(small, batch)
     assert small.workspace.overflows == 0 and big.workspace.overflows == 0
     side = lambda rt: [] if rt.retention is None else rt.retention.log_beta + rt.retention.position
     for got, want in zip(small.k_buffers + small.v_buffers + side(small),
@@ -331,17 +334,17 @@ def test_a_policy_that_cannot_stream_is_skipped_not_run_outside_the_workspace(mo
         assert not Reverse.streams() and POLICIES["snapkv"].streams()
         cfg = EvictionConfig(policy="test-reverse", budget=23, window=4, sinks=3)
         rt, batch = _long_prompt_step(cfg, None)
-        cost = runtime.step_cost(cfg, rt.shapes, cfg.budget, "cpu")
+        cost = step_cost(cfg, rt.shapes, cfg.budget, "cpu")
         rt.workspace = Workspace(torch.empty(cost.buffer(1, 1), dtype=torch.uint8),
-                                 runtime.group_bytes(2) + cost.temporaries(1, 1))
+                                 group_bytes(2) + cost.temporaries(1, 1))
         monkeypatch.setattr(runtime, "RUNTIME", rt)
         before = [b.clone() for b in rt.k_buffers]
         long_req = batch.reqs[1]
         with caplog.at_level("ERROR", logger="vase_sglang.eviction"):
-            freed = rt.evict(batch)
-            rt.evict(batch)  # logged once
+            freed = step.evict(rt, batch)
+            step.evict(rt, batch)  # logged once
         assert freed == 2 * (cfg.budget - cfg.keep)  # the two requests at the budget
-        assert long_req.kv.kv_allocated_len == 3 + 100 + 4 and runtime.state(long_req).rounds == 0
+        assert long_req.kv.kv_allocated_len == 3 + 100 + 4 and state.state(long_req).rounds == 0
         assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
         assert "cannot be streamed" in caplog.records[0].message
         assert rt.workspace.overflows == 0
@@ -352,7 +355,7 @@ def test_a_policy_that_cannot_stream_is_skipped_not_run_outside_the_workspace(mo
     rt, batch = _long_prompt_step(cfg, Workspace(torch.empty(64, dtype=torch.uint8), 10**6))
     monkeypatch.setattr(runtime, "RUNTIME", rt)
     with pytest.raises(RuntimeError, match="even streamed in chunks of 16 candidates"):
-        rt.evict(batch)
+        step.evict(rt, batch)
 
 
 def _unchunked(cfg, rt, batch):
@@ -372,7 +375,7 @@ def _unchunked(cfg, rt, batch):
     queries = None
     if rt.queries is not None:
         queries = rt.queries[:, rows].permute(1, 0, 3, 2, 4)
-    request = torch.tensor([runtime.request_key(r, cfg) for r in reqs])
+    request = torch.tensor([state.request_key(r, cfg) for r in reqs])
     retention = side = None
     if rt.retention is not None:  # trimkv: log β and age from the side buffers, now = length
         side = [b.clone() for b in rt.retention.log_beta], [b.clone() for b in rt.retention.position]
@@ -403,11 +406,11 @@ def test_chunked_step_equals_the_unchunked_one(policy, value_slots, monkeypatch)
     rt, batch = _step(cfg, **shape, requests=5, device="cpu", seed=7)
     monkeypatch.setattr(runtime, "RUNTIME", rt)
     expected = _unchunked(cfg, rt, batch)
-    cost = runtime.step_cost(cfg, rt.shapes, cfg.budget, "cpu")
+    cost = step_cost(cfg, rt.shapes, cfg.budget, "cpu")
     rt.workspace = Workspace(torch.empty(cost.buffer(2, 1), dtype=torch.uint8),
-                             runtime.group_bytes(5) + cost.temporaries(2, 1))
-    assert rt._plan(cfg, cfg.budget, 5) == (2, 1, None)  # 3 request chunks x 3 layer chunks
-    rt.evict(batch)
+                             group_bytes(5) + cost.temporaries(2, 1))
+    assert step.plan_group(rt, cfg, cfg.budget, 5) == (2, 1, None)  # 3 request chunks x 3 layer chunks
+    step.evict(rt, batch)
     assert rt.workspace.overflows == 0
     got = rt.k_buffers + rt.v_buffers
     if rt.retention is not None:
@@ -477,14 +480,14 @@ def test_step_makes_no_blocking_host_copies_and_reads_nothing_back(policy, page_
     prefix = 3 if page_size == 1 else 2 * page_size  # the tree owns whole pages
     workspace = _meta_workspace(cfg, shapes, "cuda")
     if streamed:
-        cost = runtime.step_cost(cfg, shapes, cfg.budget, "cuda", 16)
+        cost = step_cost(cfg, shapes, cfg.budget, "cuda", 16)
         workspace = Workspace(torch.empty(cost.buffer(1, 1), dtype=torch.uint8, device="meta"),
-                              runtime.group_bytes(5) + cost.temporaries(1, 1))
+                              group_bytes(5) + cost.temporaries(1, 1))
     rt, batch = _step(cfg, **shape, requests=5, device="meta", prefix=prefix,
                       page_size=page_size, workspace=workspace)
     rt.device_type = "cuda"
     monkeypatch.setattr(runtime, "RUNTIME", rt)
-    assert (rt._plan(cfg, cfg.budget, 5).chunk == 16) == streamed  # plan traces are host-only
+    assert (step.plan_group(rt, cfg, cfg.budget, 5).chunk == 16) == streamed  # plan traces are host-only
     from vase_sglang.ops.compact import pointer_table
 
     side = () if rt.retention is None else (rt.retention.log_beta, rt.retention.position)
@@ -501,5 +504,5 @@ def test_step_makes_no_blocking_host_copies_and_reads_nothing_back(policy, page_
 
         monkeypatch.setattr(torch, name, guarded)
     with planning_for("cuda"), _HostReads():
-        freed = rt.evict(batch)
-    assert freed == 5 * runtime.freed_slots(cfg.budget, cfg.keep, cfg.window, page_size) > 0
+        freed = step.evict(rt, batch)
+    assert freed == 5 * rows.freed_slots(cfg.budget, cfg.keep, cfg.window, page_size) > 0

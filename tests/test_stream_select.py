@@ -30,7 +30,7 @@ from vase_sglang.ops import planning_for
 from vase_sglang.policies import (POLICIES, Draws, Policy, Retention, SnapKVPolicy,
                                   register_policy, top_indices)
 from vase_sglang.stream_select import TensorCandidates
-from vase_sglang.workspace import PeakMemory
+from vase_sglang.plan import PeakMemory
 
 torch.set_num_threads(1)
 

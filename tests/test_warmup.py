@@ -21,7 +21,7 @@ import torch
 
 from vase_sglang import EvictionConfig, warmup
 from vase_sglang.policies import POLICIES
-from vase_sglang.workspace import KVShapes
+from vase_sglang.chunk import KVShapes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = KVShapes(kv_heads=2, q_heads=4, head_dim=32, kv_dtype=torch.bfloat16,
@@ -38,7 +38,7 @@ import torch
 torch.set_num_threads(1)
 from vase_sglang import EvictionConfig, ops, warmup
 from vase_sglang.ops import aot
-from vase_sglang.workspace import KVShapes
+from vase_sglang.chunk import KVShapes
 
 ops.kernel_backend = lambda device: "triton"  # CPU tensors, compiled kernels (launch skipped)
 shapes = KVShapes(kv_heads=8, q_heads=32, head_dim=128, kv_dtype=torch.bfloat16,

@@ -24,7 +24,7 @@ accumulated chunk by chunk); tests/test_stream_select.py states the tolerance.
 
 `Candidates` is what a streamed score reads: `TensorCandidates` slices tensors already in
 memory (engine-free use and tests), the engine's gathers from the KV pool into its workspace
-(vase_sglang/workspace.py). A chunk's tensors are valid until the next chunk is read.
+(vase_sglang/chunk.py). A chunk's tensors are valid until the next chunk is read.
 """
 
 from __future__ import annotations

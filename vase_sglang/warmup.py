@@ -55,7 +55,7 @@ import torch
 from . import ops
 from .config import EvictionConfig
 from .policies import POLICIES, AttentionParams
-from .workspace import KVShapes, Workspace, _aligned, _nbytes, evict_chunk, gather_layout
+from .chunk import KVShapes, Workspace, aligned_size, evict_chunk, gather_layout, tensor_bytes
 
 KERNEL_MODULES = ("compact", "cur_leverage", "value_range", "window_attention")
 SCRATCH_LAYERS = 3  # chunks of 2 layers from layer 0 and of 1 layer from layer 1
@@ -145,7 +145,7 @@ class Scratch:
         return order[: b * (n + window)].view(b, n + window).clone()
 
     def workspace(self, cfg: EvictionConfig, b: int, l: int, n: int) -> Workspace:
-        size = sum(_aligned(_nbytes(s, t)) for s, t in gather_layout(cfg, self.shapes, b, l, n))
+        size = sum(aligned_size(tensor_bytes(s, t)) for s, t in gather_layout(cfg, self.shapes, b, l, n))
         return Workspace(torch.empty(size, dtype=torch.uint8, device=self.device), 0)
 
     def step(self, cfg: EvictionConfig, *, n: int, b: int = 1, l: int = 1, first_layer: int = 0,

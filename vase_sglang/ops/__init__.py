@@ -6,7 +6,7 @@ Backend choice (`VASE_KERNELS` environment variable):
   torch           always the torch reference
   triton          always Triton (on CPU this needs TRITON_INTERPRET=1; used by the tests)
 
-Meta tensors (memory planning, vase_sglang/workspace.py) take the backend of the device being
+Meta tensors (memory planning, vase_sglang/plan.py) take the backend of the device being
 planned for (`planning_for`); the Triton wrappers then make their allocations and skip the launch.
 """
 

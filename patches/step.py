@@ -1,0 +1,309 @@
+"""The eviction step on a running decode batch, as a pipeline of small stages:
+
+  1. group    which requests are due, grouped by (settings, n, sinks)      host only
+  2. plan     requests x layers per chunk (and candidates per chunk) that   vase_sglang.plan
+              fit the workspace
+  3. per chunk of requests: stage ids, then per chunk of layers:
+              gather -> select -> compact                                   vase_sglang.chunk
+  4. rewrite  the rows' new layout, a pure function of (n, K, R, pages)     vase_sglang.rows
+  5. apply    row writes or K/V copies, then free the dropped pages         here
+  6. update   request state, KV lengths, the batch's seq_lens               here, state.py
+
+A request is due when its private cache (tokens not owned by the radix tree) holds
+n + window tokens with n >= budget, after its first decode step (its prefill result has been
+processed). Candidates are the n oldest private tokens; the newest `window` never are. The
+policy keeps K = budget - window of them per (layer, KV head); compaction moves the kept K/V of
+every layer and head into the first K candidate slots.
+
+Memory: stages 2-3 stream over chunks inside the workspace reserved at startup, so a step's
+extra memory is bounded (docs/memory.md). Nothing in the step reads a device value on the host
+or copies from pageable memory: host ids are staged through pinned buffers with non-blocking
+copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from vase_sglang import ops
+from vase_sglang.plan import MIN_CANDIDATE_CHUNK, StepPlan, group_bytes, plan_step, step_cost
+from vase_sglang.chunk import evict_chunk
+from vase_sglang.policies import POLICIES
+from vase_sglang.rows import RowRewrite, freed_slots, rewrite_row
+
+from . import metrics
+from .state import record_eviction, request_config, request_key, pos_offset, state
+
+logger = logging.getLogger("vase_sglang.eviction")
+
+
+def evict(rt, batch, skip=(), early: bool = False) -> int:
+    """Run the eviction step on a running decode batch; returns the slots freed.
+    With `early` (the next decode step does not fit in the pool) every request over its
+    budget is cut back to it, due or not: an early eviction instead of a retraction. All
+    at once rather than just enough for one step: the pool then has room for many steps,
+    and the requests stay in phase, so the next eviction is again one batched group."""
+    return run(rt, batch, due_groups(rt, batch, skip, early))
+
+
+# -- 1. group ----------------------------------------------------------------------------------
+
+def due_groups(rt, batch, skip=(), early: bool = False) -> dict:
+    """The requests of `batch` this step evicts, grouped by their effective settings
+    (per-request overrides) and by (n, sinks), so each group is one batched select +
+    compaction. Host state only: nothing runs on the device."""
+    groups: dict[tuple, list[int]] = {}
+    for i, req in enumerate(batch.reqs):
+        if req in skip or req.kv.req_pool_idx is None:
+            continue
+        cfg = request_config(req)
+        if cfg is None:
+            continue  # eviction off for this request
+        if req.decode_batch_idx < 1:
+            # Under the overlap scheduler the first decode step is prepared before the
+            # prefill result is processed, i.e. before the radix tree takes the prompt
+            # (cache_protected_len is still the old match): the prompt would look private.
+            continue
+        kv = req.kv
+        if kv.kv_committed_len != kv.kv_allocated_len:
+            continue  # only speculative decoding over-allocates; rejected at startup
+        private = kv.kv_allocated_len - kv.cache_protected_len
+        if private >= cfg.trigger_len or (early and _early_frees(cfg, private, rt.page_size)):
+            n = private - cfg.window  # candidates: all private tokens but the newest window
+            sinks = max(0, cfg.sinks - kv.cache_protected_len)
+            # Seeds are passed per request (a tensor): requests differing only in their seed
+            # share a group, so a client's many seeds do not split a step into small ones.
+            groups.setdefault((cfg.replace(seed=0), n, sinks), []).append(i)
+    return groups
+
+
+def _early_frees(cfg, private: int, page_size: int) -> bool:
+    """Whether cutting a request that is not due back to its budget frees memory: with
+    pages, dropping fewer tokens than separate its length from the last page boundary
+    frees nothing, and would lose tokens for no gain."""
+    n = private - cfg.window
+    return private > cfg.budget and freed_slots(n, cfg.keep, cfg.window, page_size) > 0
+
+
+def run(rt, batch, groups: dict) -> int:
+    """Evict `groups` (from due_groups) of `batch`; returns the slots freed."""
+    if not groups:
+        return 0
+    start = time.perf_counter()
+    rt.timer.start()
+    freed = 0
+    new_lens = {}
+    evictions, tokens = rt.stats.evictions, rt.stats.tokens_evicted
+    for (cfg, n, sinks), members in groups.items():
+        freed += _evict_group(rt, batch, cfg, members, n, sinks, new_lens)
+    _update_batch_lengths(batch, new_lens)
+    batch.batch_is_full = False  # admission was closed on a full pool; it has room now
+    rt.timer.stop()
+    elapsed = time.perf_counter() - start
+    rt.stats.seconds += elapsed
+    rt.stats.slots_freed += freed
+    if metrics.METRICS is not None:
+        metrics.METRICS.record(rt.stats.evictions - evictions,
+                               rt.stats.tokens_evicted - tokens, freed, elapsed)
+    rt.report_device_times()
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "evicted %d requests, freed %d slots in %.2f ms: %s",
+            len(new_lens), freed, elapsed * 1e3,
+            ", ".join(f"{batch.reqs[i].rid}: kv {n}" for i, n in new_lens.items()),
+        )
+    return freed
+
+
+def _evict_group(rt, batch, cfg, members, n, sinks, new_lens) -> int:
+    """Evict one group; returns the slots freed (a host count: nothing is read back)."""
+    reqs = [batch.reqs[i] for i in members]
+    plan = plan_group(rt, cfg, n, len(reqs))
+    if plan is None:
+        return 0
+    ids = _stage(rt, reqs, cfg)
+    k = None
+    for r0 in range(0, len(reqs), plan.requests):
+        part = slice(r0, r0 + plan.requests)
+        kept = _evict_requests(rt, cfg, n, sinks, plan, *(column[part] for column in ids))
+        if k is not None and kept != k:
+            raise ValueError(f"policy {cfg.policy!r}: kept {kept} tokens in one chunk, {k} "
+                             "in another")
+        k = kept
+    dropped = n - k
+    rt.stats.tokens_evicted += dropped * len(reqs)
+    rt.stats.evictions += len(reqs)
+    # -- 6. update: the requests' lengths and state (the batch's lengths in run)
+    for i, req in zip(members, reqs):
+        req.kv.kv_allocated_len -= dropped
+        req.kv.kv_committed_len -= dropped
+        record_eviction(req, dropped)
+        new_lens[i] = req.kv.kv_allocated_len
+    return freed_slots(n, k, cfg.window, rt.page_size) * len(reqs)
+
+
+# -- 2. plan -----------------------------------------------------------------------------------
+
+def plan_group(rt, cfg, n, num_requests) -> StepPlan | None:
+    """(requests, layers, candidate chunk) per chunk for this group, from the workspace size
+    (arithmetic on a cost model measured once per (config, n) on meta tensors): the plain
+    stage where one (request, layer) unit fits, else the unit's candidates streamed in
+    chunks. Never a plan outside the workspace: where nothing fits, None (logged once) for a
+    policy that cannot stream (a registered one overriding select(), say), an error for one
+    that can (the workspace is sized for the longest private cache: workspace_bytes'
+    max_candidates)."""
+    headroom = rt.workspace.headroom - group_bytes(num_requests)
+    policy = POLICIES[cfg.policy]
+    plan = plan_step(lambda chunk: step_cost(cfg, rt.shapes, n, rt.device_type, chunk),
+                     n, num_requests, rt.num_layers, rt.workspace.buffer_bytes, headroom,
+                     streams=policy.streams())
+    if plan is not None:
+        return plan
+    need = step_cost(cfg, rt.shapes, n, rt.device_type)
+    need = need.buffer(1, 1) + need.temporaries(1, 1)
+    message = (f"an eviction step of policy {cfg.policy!r} over {n} candidates needs "
+               f"{need / 2**20:.1f} MiB per (request, layer), more than the "
+               f"{rt.workspace.size / 2**20:.1f} MiB workspace")
+    if policy.streams():
+        raise RuntimeError(f"{message}, even streamed in chunks of {MIN_CANDIDATE_CHUNK} "
+                           "candidates: the workspace was sized for shorter caches "
+                           "(workspace_bytes' max_candidates)")
+    if (cfg.policy, n) not in rt.warned:
+        rt.warned.add((cfg.policy, n))
+        logger.error(
+            "%s, and this policy cannot be streamed over candidate chunks (it defines no "
+            "score_streamed): these requests are not evicted this time, their caches "
+            "grow; raise --kv-evict-workspace-mb", message)
+    return None
+
+
+# -- 3. per chunk: gather -> select -> compact, then 4. rewrite and 5. apply -------------------
+
+def _stage(rt, reqs, cfg) -> tuple[torch.Tensor, ...]:
+    """The group's per-request ids as int64 device rows [B] each: request-table row, prefix
+    length, draw key, round, position of the oldest window query, seed. Host ints staged
+    through one pinned buffer and a non-blocking copy: a pageable copy would block the CPU on
+    the forward in flight (overlap scheduler)."""
+    columns = [
+        [r.kv.req_pool_idx for r in reqs],
+        [r.kv.cache_protected_len for r in reqs],
+        [request_key(r, cfg) for r in reqs],
+        [state(r).rounds for r in reqs],
+        # True length L: the newest query written is at position L - 1.
+        [r.kv.kv_allocated_len + pos_offset(r) - cfg.window for r in reqs],
+        [request_config(r).seed for r in reqs],  # the group's cfg carries no seed
+    ]
+    device = rt.req_to_token.device
+    host = torch.tensor(columns, dtype=torch.int64, pin_memory=_pinned(device))
+    return tuple(host.to(device, non_blocking=True).unbind(0))
+
+
+def _evict_requests(rt, cfg, n, sinks, plan: StepPlan, rows, starts, request, rounds,
+                    first_query, seeds) -> int:
+    """Every layer of a chunk of requests, plan.layers layers at a time (each unit's
+    candidates plan.chunk at a time where set); then rewrites their rows and frees their
+    dropped pages (device-only: the allocator's free is a torch.cat on page size 1).
+    Returns how many candidates each request kept."""
+    device = rt.req_to_token.device
+    cols = starts[:, None] + torch.arange(n + cfg.window, device=device)
+    row_slots = rt.req_to_token[rows[:, None], cols].long()  # [b, n + R]
+    slots = row_slots[:, :n]
+    ring_index = None
+    if POLICIES[cfg.policy].needs_queries:
+        ring_index = (rows[:, None], _ring_entries(rt.queries.shape[2], first_query, cfg.window))
+    side = now = None
+    if POLICIES[cfg.policy].needs_retention:
+        side = (rt.retention.log_beta, rt.retention.position)
+        now = first_query + cfg.window  # the true length: the next token's position
+    k = None
+    for first in range(0, rt.num_layers, plan.layers):
+        keep = None  # the previous chunk's selection is dead: free it before the next
+        keep = evict_chunk(
+            cfg, rt.k_buffers, rt.v_buffers, rt.queries, rt.workspace,
+            first_layer=first, num_layers=min(plan.layers, rt.num_layers - first),
+            layer_ids=rt.layer_ids, slots=slots, ring_index=ring_index,
+            request=request, rounds=rounds, sinks=sinks, side=side, now=now,
+            attention=rt.attention, head_offset=rt.kv_head_offset,
+            candidate_chunk=plan.chunk, seed=seeds[:, None],
+        )
+        if k is not None and keep.shape[-1] != k:
+            raise ValueError(f"policy {cfg.policy!r}: kept {keep.shape[-1]} tokens in one "
+                             f"chunk of layers, {k} in another")
+        k = keep.shape[-1]  # cfg.keep for the built-in policies; a custom one may keep all
+    _apply(rt, rewrite_row(0, n, k, cfg.window, rt.page_size), rows, starts, row_slots, side)
+    return k
+
+
+def _apply(rt, rw: RowRewrite, rows, starts, row_slots, side) -> None:
+    """Carry out a row rewrite (columns relative to each request's prefix) on the chunk's
+    requests: move the newest window's slots in the row, or copy their K/V (with their log β
+    and positions) into the candidate slots after the kept ones; then free the dropped pages."""
+    if rw.freed == 0 and rw.src == rw.dst:
+        return  # every candidate kept
+    window = torch.arange(rw.window, device=row_slots.device)
+    if rw.move_row:
+        rt.req_to_token[rows[:, None], starts[:, None] + rw.dst + window] = (
+            row_slots[:, rw.src: rw.src + rw.window].to(rt.req_to_token.dtype))
+    else:
+        # All layers and heads alike: keep[j] = src - dst + j >= j, the compaction's in-place
+        # contract (it reads ahead of where it writes).
+        shift = (rw.src - rw.dst) + window
+        shift = shift.expand(len(rows), rt.num_layers, rt.shapes.kv_heads, rw.window)
+        ops.compact_kv_(rt.k_buffers, rt.v_buffers, row_slots[:, rw.dst:], shift)
+        if side is not None:
+            ops.compact_kv_(side[0], side[1], row_slots[:, rw.dst:], shift)
+    _free(rt, row_slots[:, rw.free_start: rw.free_stop])
+
+
+def _free(rt, slots: torch.Tensor) -> None:
+    """Give back the pages of `slots` [b, m], columns that start on page boundaries and
+    cover whole pages (a partial last page of the row included)."""
+    if rt.page_size == 1:
+        rt.allocator.free(slots.reshape(-1))
+    elif slots.shape[1]:
+        # One slot per page: the allocator's free() would dedup with torch.unique, a sync.
+        rt.allocator.free_page_ids((slots[:, ::rt.page_size] // rt.page_size).reshape(-1))
+
+
+def _ring_entries(ring_size: int, first: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, W] ring entries of the last `window` (<= the ring's size) queries of each
+    request, in the order a ring of exactly `window` entries would hold them
+    (position % window), so a per-request window reproduces a server started with that
+    window bit for bit. first: the position of the oldest of them."""
+    j = torch.arange(window, device=first.device)
+    if window == ring_size:
+        return j.expand(first.shape[0], window)
+    positions = first[:, None] + (j[None, :] - first[:, None]) % window  # p = j (mod window)
+    return positions % ring_size
+
+
+# -- 6. update ---------------------------------------------------------------------------------
+
+def _update_batch_lengths(batch, new_lens: dict[int, int]) -> None:
+    # New tensors, never in place: under the overlap scheduler the previous forward
+    # may still hold references to the old ones.
+    idx = list(new_lens)
+    lens = list(new_lens.values())
+    seq_lens_cpu = batch.seq_lens_cpu.clone()
+    seq_lens_cpu[idx] = torch.tensor(lens, dtype=seq_lens_cpu.dtype)
+    delta = batch.seq_lens_cpu - seq_lens_cpu
+    batch.seq_lens_cpu = seq_lens_cpu
+    batch.seq_lens = batch.seq_lens - _to_device(delta, batch.seq_lens)
+    if getattr(batch, "orig_seq_lens", None) is not None:
+        batch.orig_seq_lens = batch.orig_seq_lens - _to_device(delta, batch.orig_seq_lens)
+    batch.seq_lens_sum = None
+
+
+def _pinned(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _to_device(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A host tensor on `like`'s device and dtype without blocking the CPU (pinned staging)."""
+    host = host.to(like.dtype)
+    if _pinned(like.device):
+        host = host.pin_memory()
+    return host.to(like.device, non_blocking=True)
