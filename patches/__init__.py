@@ -6,8 +6,10 @@ its processes. Each module here hooks one SGLang subsystem and lists its exact t
   server_args   ServerArgs.add_cli_args / from_cli_args / resolve_once   flags, validation
                                                                          (the allowlist in
                                                                          supported.py)
-  memory        KVCacheConfigurator._profile_available_bytes             query ring reserved
-                KVCacheConfigurator.resolve_max_num_reqs                 ...and kept a share
+  memory        KVCacheConfigurator._resolve_memory_pool_config          the memory plan:
+                KVCacheConfigurator._profile_available_bytes             workspace and query
+                KVCacheConfigurator.resolve_max_num_reqs                 ring reserved, rows
+                                                                         capped to the pool
   model_runner  ModelRunner._init_post_memory_pool_components            eviction runtime
                 RadixAttention.forward                                   query capture
                 ForwardBatch.init_new                                    RoPE positions,
@@ -87,15 +89,20 @@ def register() -> None:
     """Entry point of the `sglang.srt.plugins` group."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    # load_plugins() logs and swallows exceptions, which would leave eviction silently half
+    # installed: a bad setting, and any failure here, must stop the process instead.
     try:
-        cfg = settings.config_from_env()
+        cfg = settings.current().config
     except ValueError as err:
-        # load_plugins() swallows exceptions; a bad setting must stop the process instead.
         raise SystemExit(f"vase-sglang: {err}") from None
     hooks = planned_hooks(cfg)
     check_targets(hooks, footprint.SHAPES if cfg is not None and cfg.evicts else ())
-    for target, kind, fn in hooks:
-        HookRegistry.register(target, fn, HookType[kind])
+    try:
+        for target, kind, fn in hooks:
+            HookRegistry.register(target, fn, HookType[kind])
+    except Exception as err:
+        raise SystemExit(f"vase-sglang: registering the hook on {target} failed: "
+                         f"{type(err).__name__}: {err}") from err
 
 
 __all__ = ["register", "configure", "planned_hooks", "check_targets"]

@@ -233,9 +233,6 @@ HOOKS = [
     (TARGET_ADD_ONE_REQ, "AROUND", around_add_one_req),
     (TARGET_ADD_CHUNKED_REQ, "AROUND", around_add_chunked_req),
     (TARGET_CHECK_BUDGET, "AROUND", around_check_prefill_budget),
-    (TARGET_CHECK_BUDGET,
-     "def _check_prefill_budget(self, req: Req, *, extend_input_len: int, total_tokens: int,",
-     "the new request's total is passed as the keyword total_tokens"),
     (TARGET_UPDATE_BUDGET, "AROUND", around_update_prefill_budget),
     (TARGET_RUNNING_OFFSET, "AROUND", around_running_offset),
 ]

@@ -22,6 +22,7 @@ Without the prompt, long-prompt traffic would leave most rows idle (Qwen3-4B sha
 
 from __future__ import annotations
 
+import contextvars
 import logging
 
 import torch
@@ -36,10 +37,18 @@ TARGET_PROFILE = (
 TARGET_MAX_NUM_REQS = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs"
 )
+# Calls the two above, in that order: the cap found by the first reaches the second through
+# `_RING_CAP`, set for the duration of this call (KVCacheConfigurator has __slots__).
+TARGET_RESOLVE_POOL = (
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config"
+)
 # SGLang sizes its request table at most this many rows when --max-running-requests is unset.
 DEFAULT_MAX_ROWS = 4096
 
-_row_cap: int | None = None  # max running requests the reserved ring can serve (this process)
+# The cap on max running requests the reserved ring can serve, found while profiling memory and
+# applied when SGLang resolves max running requests, within one around_resolve_pool call.
+_RING_CAP: contextvars.ContextVar[list | None] = contextvars.ContextVar("vase_ring_cap",
+                                                                       default=None)
 
 
 def query_ring_dtype(kv_cache_dtype, model_dtype):
@@ -90,16 +99,15 @@ def kv_shapes(layers, kv_dtype: torch.dtype, window: int, model_dtype: torch.dty
 
 
 def around_profile(original, self, *args, **kwargs):
-    global _row_cap
     available = original(self, *args, **kwargs)
     from sglang.srt.runtime_context import get_schedule
 
     from .model_runner import _attention_layers
     from vase_sglang.plan import ring_bytes, side_bytes_per_token, workspace_bytes
-    from .settings import (PROMPT_LEN, config_from_env, flag_name, gates_path_from_env,
-                           limits_from_env, prompt_len_from_env)
+    from .settings import PROMPT_LEN, current, flag_name
 
-    cfg = config_from_env()
+    server = current()
+    cfg = server.config
     if cfg is None or not cfg.evicts or self.is_draft_worker:
         return available
     layers = _attention_layers(self.model)
@@ -107,7 +115,7 @@ def around_profile(original, self, *args, **kwargs):
         return available
     shapes = kv_shapes(layers, self.kv_cache_dtype, cfg.window, self.model_dtype)
     size = workspace_bytes(cfg, shapes, torch.device(self.device).type,
-                           max_budget=limits_from_env(cfg).max_budget,
+                           max_budget=server.limits.max_budget,
                            max_candidates=self.model_config.context_len)
     available -= size.buffer + size.headroom
     logger.info(
@@ -118,7 +126,7 @@ def around_profile(original, self, *args, **kwargs):
         "" if cfg.workspace_mb else "; set --kv-evict-workspace-mb to choose",
     )
     kv_per_token = len(layers) * 2 * shapes.kv_heads * shapes.head_dim * shapes.kv_dtype.itemsize
-    if gates_path_from_env():
+    if server.gates_path:
         # trimkv's side buffers have one row per pool slot (RetentionBuffers): take their share
         # of the bytes left, as the pool takes the rest.
         side = side_bytes_per_token(len(layers), shapes.kv_heads)
@@ -142,10 +150,10 @@ def around_profile(original, self, *args, **kwargs):
     dtype = shapes.q_dtype
     per_row = ring_bytes(len(layers), 1, cfg.window, shapes.q_heads, shapes.head_dim,
                          dtype.itemsize)
-    prompt = prompt_len_from_env()
+    prompt = server.expected_prompt_len
     tokens = ring_tokens_per_request(cfg, get_schedule().page_size or 1, prompt)
     charge = tokens - prompt
-    rows, _row_cap = ring_rows(available, per_row, requested, tokens, kv_per_token,
+    rows, row_cap = ring_rows(available, per_row, requested, tokens, kv_per_token,
                                get_schedule().max_total_tokens)
     reserve = rows * per_row
     logger.info(
@@ -154,20 +162,35 @@ def around_profile(original, self, *args, **kwargs):
         "" if requested else
         (f" (what the pool beside it holds at {prompt} prompt tokens (assumed: "
          f"{flag_name(PROMPT_LEN)}) + {charge} private tokens a request: max running "
-         f"requests capped to {_row_cap}; set --max-running-requests to choose)"
-         if _row_cap else ""),
+         f"requests capped to {row_cap}; set --max-running-requests to choose)"
+         if row_cap else ""),
     )
+    holder = _RING_CAP.get()
+    if holder is not None:
+        holder.append(row_cap)
     return available - reserve
 
 
 def around_max_num_reqs(original, self, *args, **kwargs):
     n = original(self, *args, **kwargs)
-    if _row_cap is not None and not self.is_draft_worker and n > _row_cap:
-        return _row_cap
+    holder = _RING_CAP.get()
+    cap = holder[-1] if holder else None
+    if cap is not None and not self.is_draft_worker and n > cap:
+        return cap
     return n
 
 
+def around_resolve_pool(original, self, *args, **kwargs):
+    """AROUND KVCacheConfigurator._resolve_memory_pool_config: the scope of one memory plan."""
+    token = _RING_CAP.set([])
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        _RING_CAP.reset(token)
+
+
 HOOKS = [
+    (TARGET_RESOLVE_POOL, "AROUND", around_resolve_pool),
     (TARGET_PROFILE, "AROUND", around_profile),
     (TARGET_MAX_NUM_REQS, "AROUND", around_max_num_reqs),
 ]

@@ -113,9 +113,8 @@ def after_post_pool(result, model_runner):
     before attention backends and CUDA graphs, so the query ring exists before capture."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from .settings import config_from_env
-
-    cfg = config_from_env()
+    server = settings.current()
+    cfg = server.config
     if cfg is None or not cfg.evicts or getattr(model_runner, "is_draft_worker", False):
         return
     pool = model_runner.token_to_kv_pool
@@ -155,7 +154,7 @@ def after_post_pool(result, model_runner):
         # padded prefill-graph buckets are at most the largest captured bucket.
         token_rows = torch.full((max(pool.size, _largest_prefill_bucket()) + 1,), SCRATCH_ROW,
                                 dtype=torch.int64, device=device)
-    retention = _retention_buffers(model_runner, pool, head_offset)
+    retention = _retention_buffers(model_runner, pool, head_offset, server.gates_path)
     runtime.RUNTIME = runtime.EvictionRuntime(
         cfg=cfg,
         k_buffers=pool.k_buffer,
@@ -171,14 +170,14 @@ def after_post_pool(result, model_runner):
         kv_head_offset=head_offset,
         page_size=model_runner.token_to_kv_pool_allocator.page_size,
         retention=retention,
-        limits=settings.limits_from_env(cfg),
+        limits=server.limits,
         max_candidates=model_runner.model_config.context_len,
     )
     if retention is not None:
         _install_retention_gate(model_runner.model, layers)
         logger.info("VaSE retention gates %s loaded: side buffers %.1f MiB = %d bytes (log β and "
                     "position, float32 [%d slots, %d KV heads] x %d layers x 2), gates %.1f MiB",
-                    settings.gates_path_from_env(), retention.nbytes() / 2**20, retention.nbytes(),
+                    server.gates_path, retention.nbytes() / 2**20, retention.nbytes(),
                     retention.log_beta[0].shape[0], pool.head_num, len(pool.k_buffer),
                     sum(t.numel() * 4 for t in (retention.w1, retention.b1, retention.w2,
                                                 retention.b2)) / 2**20)
@@ -208,10 +207,9 @@ def _warm_up(rt) -> None:
     (logger.warning if done["errors"] else logger.info)("VaSE %s", done["summary"])
 
 
-def _retention_buffers(model_runner, pool, head_offset: int):
+def _retention_buffers(model_runner, pool, head_offset: int, path: str | None):
     """With --kv-evict-retention-gates: the gates (checked against the served model) and the
     side buffers, one row per pool slot (reserved in the memory plan: memory.around_profile)."""
-    path = settings.gates_path_from_env()
     if not path:
         return None
     gates = settings.load_server_gates(path, model_runner.model_config.hf_config)

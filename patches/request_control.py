@@ -21,7 +21,8 @@ from vase_sglang import EvictionConfig
 from vase_sglang.config import check_page_size
 from vase_sglang.policies import POLICIES
 
-from .settings import GRID, MAX_BUDGET, MIN_WINDOW, RequestLimits, flag_name
+from .settings import (GRID, MAX_BUDGET, MIN_WINDOW, RequestLimits, current, flag_name,
+                       published_page_size)
 
 KEY = "kv_evict"
 FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed")
@@ -124,30 +125,6 @@ def check_limits(changes: dict, cfg: EvictionConfig, server: EvictionConfig,
                        f"the larger); got {cfg.sinks}")
 
 
-def server_config() -> EvictionConfig | None:
-    from .settings import config_from_env
-
-    return config_from_env()
-
-
-def server_page_size() -> int:
-    from .settings import page_size_from_env
-
-    return page_size_from_env()
-
-
-def server_limits(cfg: EvictionConfig | None) -> RequestLimits | None:
-    from .settings import limits_from_env
-
-    return limits_from_env(cfg)
-
-
-def server_has_gates() -> bool:
-    from .settings import gates_path_from_env
-
-    return gates_path_from_env() is not None
-
-
 def after_verify(result, self, *args, **kwargs):
     """AFTER SamplingParams.verify (tokenizer manager): reject bad kv_evict values, and beam
     search where the request would evict, with a ValueError, which SGLang answers with
@@ -155,9 +132,9 @@ def after_verify(result, self, *args, **kwargs):
     custom = self.custom_params
     beam = (self.beam_width or 1) > 1
     if beam or (isinstance(custom, dict) and custom.get(KEY) is not None):
-        server = server_config()
-        cfg = effective_config(custom, server, server_page_size(), server_has_gates(),
-                               server_limits(server))
+        server = current()
+        cfg = effective_config(custom, server.config, published_page_size(),
+                               server.gates_path is not None, server.limits)
         if beam and cfg is not None:
             refuse_beam_search(self.beam_width)
     return result

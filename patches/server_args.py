@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from vase_sglang.config import check_page_size
@@ -31,13 +30,11 @@ def after_from_cli_args(result, cls, args):
     if all(v is None for v in values.values()):
         return
     try:
-        settings.config_from_values(values)
+        settings.ServerSettings.from_values(values)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    for suffix in (*settings.FLAGS, *settings.SERVER_FLAGS):  # the flags win over variables left in the environment
-        os.environ.pop(settings.env_name(suffix), None)
-    settings.export_to_env(values)
+    settings.export_to_env(values)  # the flags win over variables left in the environment
 
 
 def check_server_args(server_args, cfg) -> None:
@@ -90,10 +87,9 @@ def _mrope_architecture(server_args) -> str | None:
     return ", ".join(model_config.hf_config.architectures or ["this model"])
 
 
-def check_gates(server_args) -> None:
+def check_gates(server_args, path: str | None) -> None:
     """A bad --kv-evict-retention-gates file stops the launch here, before any process is
     spawned (each scheduler loads the file again with the same check)."""
-    path = settings.gates_path_from_env()
     if path:
         from sglang.srt.arg_groups.model_override_base import model_config_of
 
@@ -102,13 +98,10 @@ def check_gates(server_args) -> None:
 
 def after_resolve_once(result, server_args):
     """AFTER ServerArgs.resolve_once: runs in `launch_server` and in `sgl.Engine` alike."""
-    cfg = settings.config_from_env()
-    if cfg is not None and cfg.evicts:
-        check_server_args(server_args, cfg)
-        check_gates(server_args)
-        # Per-request settings are checked against the pages in the tokenizer manager,
-        # which may run in a spawned process: the environment reaches it.
-        os.environ[settings.PAGE_SIZE_ENV] = str(resolved_page_size(server_args))
+    server = settings.current()
+    if server.evicts:
+        check_server_args(server_args, server.config)
+        check_gates(server_args, server.gates_path)
 
 
 HOOKS = [

@@ -1,18 +1,23 @@
-"""How eviction settings reach every SGLang process.
+"""The server's eviction settings: one `ServerSettings` object per process, resolved once.
 
-SGLang spawns its scheduler processes, and `sgl.Engine(**kwargs)` only accepts real ServerArgs
-fields, so the canonical channel is the environment (inherited by spawned children):
+What a user chooses travels as environment variables, the one channel that reaches every
+process SGLang spawns (`sgl.Engine(**kwargs)` only accepts real ServerArgs fields, and
+ServerArgs cannot carry extra fields to the spawned processes):
 
     VASE_KV_EVICT_POLICY, VASE_KV_EVICT_BUDGET, VASE_KV_EVICT_WINDOW,
     VASE_KV_EVICT_VALUE_SLOTS, VASE_KV_EVICT_SINKS, VASE_KV_EVICT_SEED,
     VASE_KV_EVICT_WORKSPACE_MB, VASE_KV_EVICT_RETENTION_GATES, VASE_KV_EVICT_MAX_BUDGET,
     VASE_KV_EVICT_MIN_WINDOW, VASE_KV_EVICT_GRID, VASE_KV_EVICT_EXPECTED_PROMPT_LEN
 
-VASE_KV_EVICT_PLUGINS (comma-separated modules) is imported first in every process, so
-policies registered there with `vase_sglang.register_policy` can be named.
-
 `launch_server --kv-evict-*` flags are sugar that write these variables; Engine users set them
-(or call `configure(...)`) before creating the Engine.
+(or call `configure(...)`) before creating the Engine. VASE_KV_EVICT_PLUGINS (comma-separated
+modules) is imported first in every process, so policies registered there with
+`vase_sglang.register_policy` can be named.
+
+`current()` parses and validates them once per process into a `ServerSettings`, which every
+hook reads. What SGLang decides for the launch (the KV page size its resolution chose) is not
+copied anywhere: each SGLang process publishes its resolved arguments, and
+`published_page_size()` reads them there.
 """
 
 from __future__ import annotations
@@ -151,15 +156,6 @@ def _int_flag(raw, suffix: str, source, minimum: int) -> int:
     return value
 
 
-# The server's KV page size, exported at startup validation (server_args.after_resolve_once)
-# for the per-request checks (request_control); not a setting.
-PAGE_SIZE_ENV = "VASE_KV_PAGE_SIZE"
-
-
-def page_size_from_env(environ=os.environ) -> int:
-    return int(environ.get(PAGE_SIZE_ENV) or 1)
-
-
 def config_from_values(values: dict[str, object], source=flag_name) -> EvictionConfig | None:
     """values: flag suffix -> raw value (str from env/CLI or already typed). None = not set.
 
@@ -214,28 +210,65 @@ def import_policy_modules(environ=os.environ) -> None:
             raise ValueError(f"VASE_KV_EVICT_PLUGINS: cannot import {name!r}: {err}") from None
 
 
-def config_from_env(environ=os.environ) -> EvictionConfig | None:
-    """The eviction config of this process, or None when eviction is off."""
-    import_policy_modules(environ)
-    return config_from_values(_env_values(environ), source=env_name)
-
-
 def _env_values(environ) -> dict[str, object]:
     return {suffix: environ.get(env_name(suffix)) for suffix in (*FLAGS, *SERVER_FLAGS)}
 
 
-def limits_from_env(cfg: EvictionConfig | None, environ=os.environ) -> RequestLimits | None:
-    """The per-request limits of this server (validated at startup with the flags)."""
-    return limits_from_values(_env_values(environ), cfg, source=env_name)
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a server decided about eviction: the eviction config (None: off), what requests
+    may choose, the retention gates file, and the prompt length the query ring is sized for."""
+
+    config: EvictionConfig | None = None
+    limits: RequestLimits | None = None
+    gates_path: str | None = None
+    expected_prompt_len: int = DEFAULT_PROMPT_LEN
+
+    @property
+    def evicts(self) -> bool:
+        return self.config is not None and self.config.evicts
+
+    @classmethod
+    def from_values(cls, values: dict[str, object], source=flag_name) -> "ServerSettings":
+        """values: flag suffix -> raw value (str from the environment or the command line, or
+        already typed); None = not set. Raises ValueError naming the flag (or variable)."""
+        config = config_from_values(values, source)
+        return cls(config=config, limits=limits_from_values(values, config, source),
+                   gates_path=str(values.get(GATES)) if values.get(GATES) else None,
+                   expected_prompt_len=prompt_len_from_values(values, source))
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "ServerSettings":
+        import_policy_modules(environ)
+        return cls.from_values(_env_values(environ), source=env_name)
 
 
-def prompt_len_from_env(environ=os.environ) -> int:
-    return prompt_len_from_values(_env_values(environ), source=env_name)
+_CURRENT: tuple[tuple, ServerSettings] | None = None  # (the variables it was parsed from, it)
 
 
-def gates_path_from_env(environ=os.environ) -> str | None:
-    """The server's retention gates file (validated at startup), or None."""
-    return environ.get(env_name(GATES)) or None
+def current() -> ServerSettings:
+    """This process's settings, parsed from the environment once (again only if the variables
+    change: the flags are written into the environment after SGLang loaded its plugins, and
+    one process may create Engines one after another). Raises ValueError naming the variable
+    at fault (a launch validates the flags before any process reads them)."""
+    global _CURRENT
+    names = [env_name(s) for s in (*FLAGS, *SERVER_FLAGS)] + ["VASE_KV_EVICT_PLUGINS"]
+    key = tuple(os.environ.get(name) for name in names)
+    if _CURRENT is None or _CURRENT[0] != key:
+        _CURRENT = (key, ServerSettings.from_env())
+    return _CURRENT[1]
+
+
+def published_page_size() -> int:
+    """The KV page size SGLang resolved for this launch (e.g. trtllm_mha, the sm_100 default,
+    turns page size 1 into 64), from the arguments this process published (the tokenizer
+    manager and every scheduler publish theirs); 1 in a process that published none."""
+    from sglang.srt.runtime_context import get_schedule
+
+    try:
+        return get_schedule().page_size or 1
+    except ValueError:  # "config namespace 'schedule' not published"
+        return 1
 
 
 def load_server_gates(path, hf_config, source=flag_name):
@@ -250,7 +283,10 @@ def load_server_gates(path, hf_config, source=flag_name):
 
 
 def export_to_env(values: dict[str, object], environ=os.environ) -> None:
+    """Write `values` (flag suffix -> value) as the VASE_KV_EVICT_* variables, replacing any
+    left in the environment."""
     for suffix in (*FLAGS, *SERVER_FLAGS):
+        environ.pop(env_name(suffix), None)
         value = values.get(suffix)
         if value is not None:
             environ[env_name(suffix)] = str(value)
@@ -268,9 +304,7 @@ def configure(**kwargs) -> EvictionConfig | None:
     if unknown:
         raise ValueError(f"{sorted(unknown)[0]}: not an eviction setting; use {sorted(by_field)}")
     values = {by_field[k]: v for k, v in kwargs.items()}
-    cfg = config_from_values(values, source=lambda s: FLAGS[s][0] if s in FLAGS
-                             else s.replace("-", "_"))
-    for suffix in (*FLAGS, *SERVER_FLAGS):
-        os.environ.pop(env_name(suffix), None)
+    checked = ServerSettings.from_values(values, source=lambda s: FLAGS[s][0] if s in FLAGS
+                                         else s.replace("-", "_"))
     export_to_env(values)
-    return cfg
+    return checked.config

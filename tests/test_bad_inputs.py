@@ -98,7 +98,7 @@ def test_bad_setting_stops_the_server_naming_the_flag(failures, index):
 def startup_error(tiny_model, monkeypatch, capsys):
     """What `python -m sglang.launch_server` checks before it loads the model, in its order and
     in this process: load_plugins() runs register(), which reads the environment
-    (settings.config_from_env); prepare_server_args parses the flags; run_server resolves the
+    (settings.ServerSettings.from_env); prepare_server_args parses the flags; run_server resolves the
     settings. ServerArgs carries the plugin's own hooks (server_args.HOOKS, wrapped by
     SGLang's HookRegistry wrapper) for the duration of the test. Returns the error message the
     launch would print, or None if it would go on to load the model."""
@@ -119,7 +119,7 @@ def startup_error(tiny_model, monkeypatch, capsys):
         # patch.dict restores the environment whole, whatever the hooks exported into it.
         with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
             try:
-                settings.config_from_env()  # what register() calls
+                settings.ServerSettings.from_env()  # what register() reads
             except ValueError as err:
                 return str(err)
             try:
@@ -334,8 +334,9 @@ def test_the_page_size_sglang_resolves_is_the_one_checked(resolved, monkeypatch)
     """SGLang keeps what its resolution decides apart from the raw flag: on sm_100 the default
     trtllm_mha backend turns page size 1 into 64 (arg_groups.overrides). That backend cannot
     resolve here, so its declaration stands in for it. A window of 16 must be refused at
-    startup, and per-request checks (the tokenizer manager reads VASE_KV_PAGE_SIZE) must use
-    64 too: the raw flag would let both through and the scheduler would reject the settings."""
+    startup, and per-request checks (the tokenizer manager reads the page size its process
+    published) must use 64 too: the raw flag would let both through and the scheduler would
+    reject the settings."""
     from sglang.srt.arg_groups.overrides import declare_resolution
 
     args = resolved([])
@@ -345,16 +346,20 @@ def test_the_page_size_sglang_resolves_is_the_one_checked(resolved, monkeypatch)
     with pytest.raises(ValueError, match=r"--kv-evict-window=16 does not fit --page-size=64 "
                                          r"\(SGLang resolved the page size to 64 for this launch"):
         server_args_hooks.check_server_args(args, cfg)
-    ok = cfg.replace(window=64)
-    monkeypatch.setenv("VASE_KV_EVICT_POLICY", "snapkv")
-    monkeypatch.setenv("VASE_KV_EVICT_BUDGET", "128")
-    monkeypatch.setenv("VASE_KV_EVICT_WINDOW", "64")
-    monkeypatch.delenv(settings.PAGE_SIZE_ENV, raising=False)
-    server_args_hooks.after_resolve_once(None, args)
-    assert settings.page_size_from_env() == 64
-    with pytest.raises(ValueError, match=r"kv_evict\.window: must be >= the page size \(64\)"):
-        effective_config({"kv_evict": {"window": 32}}, ok, settings.page_size_from_env(),
-                         limits=settings.RequestLimits(max_budget=128, min_window=16, grid=16))
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from vase_sglang_patches.request_control import after_verify
+
+    for name, value in [("POLICY", "snapkv"), ("BUDGET", "128"), ("WINDOW", "64"),
+                        ("MIN_WINDOW", "16")]:
+        monkeypatch.setenv(f"VASE_KV_EVICT_{name}", value)
+    server_args_hooks.after_resolve_once(None, args)  # window 64 fits the resolved pages
+    params = SamplingParams(max_new_tokens=8, custom_params={"kv_evict": {"window": 32}})
+    with use_context(create_context(args, role="tokenizer")):  # what the launch publishes
+        assert settings.published_page_size() == 64
+        with pytest.raises(ValueError, match=r"kv_evict\.window: must be >= the page size \(64\)"):
+            after_verify(None, params)
 
 
 @pytest.fixture(scope="module")

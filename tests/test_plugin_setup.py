@@ -21,11 +21,11 @@ def test_env_channel_round_trip(monkeypatch):
         # nothing leaks into the tests that follow
         monkeypatch.setenv(settings.env_name(suffix), "")
         monkeypatch.delenv(settings.env_name(suffix))
-    assert settings.config_from_env() is None
+    assert settings.ServerSettings.from_env().config is None
     cfg = plugin.configure(policy="vase-dkv", budget=256, window=32, seed=9)
     assert cfg == EvictionConfig(policy="vase-dkv", budget=256, window=32, seed=9)
     assert os.environ["VASE_KV_EVICT_BUDGET"] == "256"
-    assert settings.config_from_env() == cfg
+    assert settings.ServerSettings.from_env().config == cfg
     with pytest.raises(ValueError, match="^budget:"):
         plugin.configure(policy="vase-dkv", budget=16, window=32)
     with pytest.raises(ValueError, match="^budgt:"):
@@ -46,6 +46,26 @@ def test_every_planned_hook_target_exists_in_the_installed_sglang():
 def test_a_missing_target_stops_the_process():
     with pytest.raises(SystemExit, match="hook targets missing"):
         plugin.check_targets([("sglang.srt.managers.scheduler.Scheduler.no_such_method", "AFTER", None)])
+
+
+def test_every_planned_hook_registers_and_the_code_shapes_hold():
+    """Each hook is a (target, kind, function) SGLang's HookRegistry accepts, and the code the
+    admission hooks rely on beyond their targets' names (footprint.SHAPES) is in this SGLang;
+    a shape it lacks stops the process, naming what changed."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    from vase_sglang_patches import footprint
+
+    for target, kind, fn in plugin.planned_hooks(EvictionConfig()):
+        assert kind in HookType.__members__ and callable(fn), (target, kind)
+    assert footprint.check_shapes() == []
+    changed = [(footprint.TARGET_ADD_ONE_REQ, "if req.sampling_params.ignore_eos and tree:",
+                "the no-radix branch")]
+    assert footprint.check_shapes(changed) == [
+        f"{footprint.TARGET_ADD_ONE_REQ} no longer contains `if req.sampling_params.ignore_eos "
+        f"and tree:` (the no-radix branch)"]
+    with pytest.raises(SystemExit, match="no longer contains"):
+        plugin.check_targets(footprint.HOOKS, changed)
 
 
 ENGINE_SCRIPT = textwrap.dedent('''

@@ -293,8 +293,9 @@ def test_engine_users_set_gates_through_configure(monkeypatch):
                                          "retention_gates"):
         plugin.configure(policy="trimkv", budget=64, window=16)
     cfg = plugin.configure(policy="trimkv", budget=64, window=16, retention_gates="/g.safetensors")
-    assert settings.gates_path_from_env() == "/g.safetensors"
-    assert settings.config_from_env() == cfg and cfg.policy == "trimkv"
+    server = settings.ServerSettings.from_env()
+    assert server.gates_path == "/g.safetensors"
+    assert server.config == cfg and cfg.policy == "trimkv"
 
 
 def test_server_gates_check_names_the_flag(tiny_model_fp32, tmp_path):
