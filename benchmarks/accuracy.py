@@ -100,7 +100,7 @@ def export_gsm8k(problems: list[dict], path: str | Path) -> None:
 
 # The shared extractor and instruction of the frontend programs (examples/) and this harness.
 # No private fallback: a second extractor would silently score answers differently.
-from vase_sglang import answers as _answers  # noqa: E402
+from vase_sglang.serving import answers as _answers  # noqa: E402
 
 PROMPT = "{q}\n" + _answers.ANSWER_INSTRUCTION
 

@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet-client", action="store_true", help="hide the client's progress bar")
     args = ap.parse_args(argv)
     if args.model_path is None:
-        from vase_sglang.tiny_model import build_tiny_qwen3
+        from vase_sglang.serving.tiny_model import build_tiny_qwen3
 
         args.model_path = str(build_tiny_qwen3())
     for name in ("max_total_tokens", "input_len", "output_len", "num_prompts", "budget", "window",

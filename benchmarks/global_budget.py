@@ -125,10 +125,10 @@ class MaskedRetentionRun:
     """Teacher-forced trimkv on the transformers reference, one batch row per eviction mode."""
 
     def __init__(self, model, gates, *, budget: int, window: int, sinks: int = 4):
-        from vase_sglang import retention
+        from vase_sglang.gates import RetentionGates, load_gates
 
-        if not isinstance(gates, retention.RetentionGates):
-            gates = retention.load_gates(gates, model.config)
+        if not isinstance(gates, RetentionGates):
+            gates = load_gates(gates, model.config)
         self.model, self.gates = model.eval(), gates
         self.budget, self.window, self.sinks = budget, window, sinks
         install(model)
@@ -140,7 +140,7 @@ class MaskedRetentionRun:
         eviction, the kept counts per (layer, head)."""
         from transformers import DynamicCache
 
-        from vase_sglang.retention import recording_log_beta
+        from vase_sglang.gates import recording_log_beta
 
         P, steps = len(prompt_ids), len(forced_ids)
         B, L, H = len(modes), self.gates.layers, self.gates.kv_heads

@@ -38,7 +38,7 @@ excludes most CPU configurations.
 attention, value range, CUR leverage) against its torch reference on the same candidates,
 whatever the selected policies; then per policy, VASE_KERNELS=torch against triton from
 identical pools: scores within the kernel tolerance (rtol 1e-4, atol 1e-6 in the interpreter;
-rtol 1e-3 on a GPU, whose dots run on tensor cores: vase_sglang.gpu_check), forced
+rtol 1e-3 on a GPU, whose dots run on tensor cores: vase_sglang.serving.gpu_check), forced
 slots equal, kept indices equal (a difference is accepted only where it is a near-tie flip
 fully explained by that score tolerance, and is counted), the real step's req_to_token rows
 equal and compacted pools bit-equal, and each backend's compaction of the torch selection
@@ -79,7 +79,7 @@ def _score_tolerance(device) -> dict:
     """rtol 1e-4 in Triton's interpreter (fp32 dots, as tests/test_kernels.py), 1e-3 on a GPU,
     whose dots run on tensor cores (docs/gpu.md). Imported late: vase_sglang imports triton,
     which must see TRITON_INTERPRET first."""
-    from vase_sglang.gpu_check import score_tolerance
+    from vase_sglang.serving.gpu_check import score_tolerance
 
     return score_tolerance(device)
 

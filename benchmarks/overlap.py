@@ -10,7 +10,7 @@ and reports:
   - wall time, output tokens / s and requests / s of each run;
   - tokens evicted per (layer, KV head), summed over requests (same in both runs).
 
-Default model: a tiny random fp32 Qwen3 built locally (vase_sglang.tiny_model), CPU flags from
+Default model: a tiny random fp32 Qwen3 built locally (vase_sglang.serving.tiny_model), CPU flags from
 tests/servers.py. Throughput on a shared or 2-core machine is noisy: record what else ran.
 
     python benchmarks/overlap.py --out overlap.json
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = args.model_path
     if model is None:
-        from vase_sglang.tiny_model import build_tiny_qwen3
+        from vase_sglang.serving.tiny_model import build_tiny_qwen3
 
         model = str(build_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny-qwen3-fp32",
                                      dtype="float32", init_std=0.1))

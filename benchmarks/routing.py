@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._server import BenchServer, stop_process_group  # noqa: E402
-from vase_sglang.ports import free_port  # noqa: E402
+from vase_sglang.serving.ports import free_port  # noqa: E402
 from benchmarks.concurrency_scaling import decode_stats  # noqa: E402
 
 WORDS = ("cache radix token eviction memory budget window value range sample attention "
@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     gateway_binary()  # fail before starting any server
     if args.model_path is None:
-        from vase_sglang.tiny_model import build_tiny_qwen3
+        from vase_sglang.serving.tiny_model import build_tiny_qwen3
 
         args.model_path = str(build_tiny_qwen3(out_dir / "tiny-qwen3"))
     requests = make_requests(args.system_prompts, args.requests, args.system_words, args.seed)

@@ -35,7 +35,7 @@ SINKS = 4
 def load(model: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vase_sglang.models import MODELS, fetch
+    from vase_sglang.serving.models import MODELS, fetch
 
     path = str(fetch(model)) if model in MODELS else model
     tok = AutoTokenizer.from_pretrained(path)
@@ -44,7 +44,7 @@ def load(model: str, dtype: str = "float32"):
 
 
 def _known() -> dict:
-    from vase_sglang.models import MODELS
+    from vase_sglang.serving.models import MODELS
 
     return MODELS
 
@@ -52,7 +52,7 @@ def _known() -> dict:
 def gsm_prompts(tok, n: int, seed: int) -> list[list[int]]:
     import reasoning_gym as rg
 
-    from vase_sglang.answers import ANSWER_INSTRUCTION
+    from vase_sglang.serving.answers import ANSWER_INSTRUCTION
 
     out = []
     for entry in rg.create_dataset("gsm_symbolic", size=n, seed=seed):
@@ -161,7 +161,7 @@ def plot(layers: list[dict], path: Path, title: str) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-0.5b",
-                    help="HF model folder, or a name known to vase_sglang.models (fetched)")
+                    help="HF model folder, or a name known to vase_sglang.serving.models (fetched)")
     ap.add_argument("--prompts", type=int, default=4, help="gsm_symbolic questions")
     ap.add_argument("--seed", type=int, default=123)
     ap.add_argument("--gen-tokens", type=int, default=200,

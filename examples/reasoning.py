@@ -4,7 +4,7 @@ Two programs, both plain ``@sgl.function``s that work with any SGLang server; se
 ``--kv-evict-policy`` they decode under the KV budget, and each response's ``meta_info`` says how
 many tokens were evicted (``kv_evicted_tokens``, per layer and KV head).
 
-* ``solve``: one step-by-step answer, then answer extraction (vase_sglang.answers).
+* ``solve``: one step-by-step answer, then answer extraction (vase_sglang.serving.answers).
 * ``self_consistency``: ``fork(k)`` branches sampled at temperature 0.6, top-p 0.95 (the VaSE
   paper's sampling), majority vote over their extracted answers. The fork first commits the
   prompt to the server, so the k branches find it in the radix cache (``cached_tokens``) and
@@ -29,7 +29,7 @@ from typing import Optional
 
 import sglang as sgl
 
-from vase_sglang.answers import ANSWER_INSTRUCTION, extract
+from vase_sglang.serving.answers import ANSWER_INSTRUCTION, extract
 
 # Frontend programs format chat turns with the backend's chat template, which RuntimeEndpoint
 # guesses from the model path. A converted folder like ~/.cache/vase-sglang/qwen2.5-0.5b/hf does

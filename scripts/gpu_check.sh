@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: one call of at most 8 minutes on one CUDA GPU whose image has torch and Triton
-# (no SGLang, no network). Writes one JSON; see vase_sglang/gpu_check.py and docs/gpu.md.
+# (no SGLang, no network). Writes one JSON; see vase_sglang/serving/gpu_check.py and docs/gpu.md.
 #   bash scripts/gpu_check.sh [OUT.json] [more gpu_check arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."

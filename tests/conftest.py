@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 from servers import (PAGE, PAGED, RADIX_OFF, RADIX_OFF_POOL, SNAPKV, VASE_ATTNV,  # noqa: E402
                      Server, trimkv_gates)
-from vase_sglang.tiny_model import build_tiny_qwen3  # noqa: E402
+from vase_sglang.serving.tiny_model import build_tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -174,11 +174,11 @@ def trimkv_gates_file(tiny_model_fp32, tmp_path_factory):
     """servers.trimkv_gates (seed 7) for the tiny fp32 model, saved as a gates file."""
     from transformers import AutoConfig
 
-    from vase_sglang import retention
+    from vase_sglang import gates
 
     config = AutoConfig.from_pretrained(tiny_model_fp32)
     path = tmp_path_factory.mktemp("gates") / "gates.safetensors"
-    return retention.save_gates(path, trimkv_gates(config), config)
+    return gates.save_gates(path, trimkv_gates(config), config)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Independent oracle of every eviction policy: scores and selection, written from the formulas
-(shared/design/algorithms.md, the official VaSE `EvictLayer.update`) and the README's policy
-table, in plain Python floats (double precision) and loops, one (request, layer) at a time.
+(shared/design/algorithms.md, the official VaSE `EvictLayer.update`) and the policy table of
+docs/usage.md, in plain Python floats (double precision) and loops, one (request, layer) at a time.
 
 It deliberately imports nothing from `vase_sglang` and mirrors none of its code: readable and
 slow, so that a wrong formula there cannot pass by being wrong the same way here.
@@ -15,7 +15,7 @@ Inputs of one batch element (torch tensors, any float dtype, read once into Pyth
 The random draws themselves are the engine's (counter-based hash RNG): the tests take them from
 the engine and pass them in as data; their distribution is tested separately.
 
-Selection, common to all policies (README: "keeps, besides the sinks and the newest R tokens"):
+Selection, common to all policies (docs/usage.md: "keeps, besides the sinks and the newest R tokens"):
   1. the first `sinks` candidates are kept;
   2. vase-attnv: then the `value_slots` largest Range(v) among the other candidates
      (N_v slots on top of the sinks; default budget // 4, shrunk to fit); trimkv the same when

@@ -1,4 +1,4 @@
-"""Answer extraction on the shapes small models really write (vase_sglang/answers.py)."""
+"""Answer extraction on the shapes small models really write (vase_sglang/serving/answers.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from vase_sglang.answers import answers_equal, extract, extract_answer, format_number, is_correct
+from vase_sglang.serving.answers import answers_equal, extract, extract_answer, format_number, is_correct
 
 CASES = [
     # plain instructed format

@@ -56,13 +56,13 @@ def test_a_missing_eviction_count_is_an_error_not_zero():
 
 
 def test_no_private_answer_extractor():
-    # Without vase_sglang.answers the harness must not start (it used to switch silently to
+    # Without vase_sglang.serving.answers the harness must not start (it used to switch silently to
     # its own extractor and prompt).
-    code = ("import sys; sys.modules['vase_sglang.answers'] = None; "
+    code = ("import sys; sys.modules['vase_sglang.serving.answers'] = None; "
             "sys.path.insert(0, '.'); import benchmarks.accuracy")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode != 0 and "vase_sglang.answers" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode != 0 and "vase_sglang.serving.answers" in proc.stderr, proc.stderr[-2000:]
     assert acc.PROMPT == "{q}\n" + acc._answers.ANSWER_INSTRUCTION
     assert acc.extract_answer("so 3 + 4 = 7.\nFinal answer: 7") == "7"
 

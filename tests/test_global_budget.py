@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 from benchmarks import global_budget as gb  # noqa: E402
 from tests.servers import trimkv_gates  # noqa: E402
 from vase_sglang.config import EvictionConfig  # noqa: E402
-from vase_sglang.hf_reference import ReferenceDecoder  # noqa: E402
+from vase_sglang.serving.hf_reference import ReferenceDecoder  # noqa: E402
 
 BUDGET, WINDOW = 16, 4
 

@@ -1,4 +1,5 @@
-"""The GPU check script (vase_sglang.gpu_check) on CPU: what can be checked without a GPU.
+"""The GPU check script (vase_sglang.serving.gpu_check, run as its documented command
+`python -m vase_sglang.gpu_check`) on CPU: what can be checked without a GPU.
 
 Its arguments, its JSON, its clear exit without CUDA, and one self-test run of every section
 with small shapes and the Triton interpreter, in a process where SGLang and vase_sglang_patches
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vase_sglang import gpu_check
+from vase_sglang.serving import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ masking, the split of CUR's projection into two 16-bit halves, and everything af
 cannot show the MMA's own accumulation order and rounding, nor tf32x3's rounding: those are
 modelled in torch (test_tensor_core_arithmetic_*, by rewriting the operands: tf32x3 as a dot of
 concatenated high / remainder parts, the projection as its two halves) and measured on a GPU by
-vase_sglang.gpu_check, at its GPU tolerance.
+vase_sglang.serving.gpu_check, at its GPU tolerance.
 
 Tolerances here: value_range and compaction must be bit-exact (max/min and a copy round nothing);
 window-attention and CUR scores use rtol 1e-4, atol 1e-6 (scores are probabilities of order 1/n;

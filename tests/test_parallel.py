@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from servers import Server
 from vase_sglang import EvictionConfig
-from vase_sglang.hf_reference import ReferenceDecoder
+from vase_sglang.serving.hf_reference import ReferenceDecoder
 
 BUDGET, WINDOW, SEED = 32, 8, 5
 TOL = 1e-4  # as the single-process faithfulness test: fp32 on both sides, summation order
@@ -41,7 +41,7 @@ def gates_file(tiny_model_fp32, tmp_path_factory):
     rows of its own head."""
     from transformers import AutoConfig
 
-    from vase_sglang import retention as R
+    from vase_sglang import gates as R
 
     config = AutoConfig.from_pretrained(tiny_model_fp32)
     gates = R.RetentionGates.for_model(config, gate_hidden=8, bias_init=2.0, init_std=0.5, seed=7)

@@ -1,4 +1,4 @@
-"""Server ports (vase_sglang/ports.py) and the launchers' answer to a taken port: the port is
+"""Server ports (vase_sglang/serving/ports.py) and the launchers' answer to a taken port: the port is
 drawn below the OS's ephemeral range (where the server's own torch.distributed/gloo sockets
 once took it), and a launcher whose HTTP port was taken stops that server at once and reports
 it (the launchers then start again on a new port) instead of waiting for its timeout."""
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 
 from benchmarks._server import BenchServer  # noqa: E402
 from servers import Server  # noqa: E402
-from vase_sglang import ports  # noqa: E402
+from vase_sglang.serving import ports  # noqa: E402
 
 BIND_ERROR = ("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 1): "
               "address already in use\n")

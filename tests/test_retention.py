@@ -1,4 +1,5 @@
-"""Learned retention (vase_sglang.retention): the soft-eviction maths, the training on the tiny
+"""Learned retention (vase_sglang.gates and vase_sglang.training.retention, through their shared
+old import path vase_sglang.retention): the soft-eviction maths, the training on the tiny
 model (loss falls, resume is exact), the gates file checks, and the transformers reference
 running trimkv against an independent replay of the eviction in plain Python."""
 
@@ -13,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from vase_sglang import EvictionConfig
 from vase_sglang import retention as R
-from vase_sglang.hf_reference import ReferenceDecoder
+from vase_sglang.serving.hf_reference import ReferenceDecoder
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from servers import SNAPKV, Server
 from vase_sglang import POLICY_NAMES, EvictionConfig
-from vase_sglang.hf_reference import ReferenceDecoder
+from vase_sglang.serving.hf_reference import ReferenceDecoder
 
 BUDGET, WINDOW = 32, 8
 TRIGGER = BUDGET + WINDOW

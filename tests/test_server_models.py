@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from servers import Server
 from vase_sglang import AttentionParams, EvictionConfig
-from vase_sglang.hf_reference import ReferenceDecoder
-from vase_sglang.tiny_model import build_tiny_qwen3
+from vase_sglang.serving.hf_reference import ReferenceDecoder
+from vase_sglang.serving.tiny_model import build_tiny_qwen3
 
 BUDGET, WINDOW, TOL = 32, 8, 1e-4  # TOL as test_server_eviction's faithfulness tests
 torch.set_num_threads(1)

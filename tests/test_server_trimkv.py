@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from servers import PAGE, PAGED, trimkv_gates
 from vase_sglang import EvictionConfig
-from vase_sglang.hf_reference import ReferenceDecoder
+from vase_sglang.serving.hf_reference import ReferenceDecoder
 
 BUDGET, WINDOW = PAGED["budget"], PAGED["window"]
 assert BUDGET % PAGE == 0 and WINDOW % PAGE == 0

@@ -26,8 +26,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .config import EvictionConfig
-from .policies import POLICIES, AttentionParams, Retention, select_tokens
+from ..config import EvictionConfig
+from ..policies import POLICIES, AttentionParams, Retention, select_tokens
 
 
 def attention_params(model) -> AttentionParams:
@@ -68,10 +68,10 @@ class ReferenceDecoder:
                 raise ValueError(f"gates: policy {cfg.policy!r} needs retention gates (a file from "
                                  f"`python -m vase_sglang.retention train`)")
             return None
-        from . import retention
+        from .. import gates as retention_gates
 
-        if not isinstance(gates, retention.RetentionGates):
-            gates = retention.load_gates(gates, model.config)
+        if not isinstance(gates, retention_gates.RetentionGates):
+            gates = retention_gates.load_gates(gates, model.config)
         return gates
 
     @contextmanager
@@ -82,7 +82,7 @@ class ReferenceDecoder:
         if self.gates is None:
             yield
             return
-        from .retention import recording_log_beta
+        from ..gates import recording_log_beta
 
         self._new_log_beta: dict = {}
         with torch.no_grad(), recording_log_beta(self.model, self.gates, self._new_log_beta):

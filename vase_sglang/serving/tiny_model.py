@@ -1,7 +1,7 @@
 """A tiny random Qwen3 (GQA, 2 layers) with its own byte-level BPE tokenizer, built locally in
 seconds: the default model of tests and demos on machines that cannot reach a model hub.
 
-    python -m vase_sglang.tiny_model [OUT_DIR]      # prints the model directory
+    python -m vase_sglang.serving.tiny_model [OUT_DIR]      # prints the model directory
 
 Deterministic: the same arguments give byte-identical weights and tokenizer.
 """
