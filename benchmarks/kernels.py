@@ -270,20 +270,19 @@ def estimate_bytes(shape: Shape, policy_name: str, policy_cls, cfg, b: int, t: i
 # --------------------------------------------------------------------------- fake server state
 
 
-def load_runtime_module():
-    """patches/runtime.py of THIS tree, imported as the server imports it (vase_sglang_patches).
-    No fallback: a benchmark of a copy of the step would not measure what the server runs."""
-    import importlib
-
+def load_runtime_module(name: str = "runtime"):
+    """patches/<name>.py of THIS tree (runtime: the EvictionRuntime; step: the eviction step),
+    imported as the server imports it (vase_sglang_patches). No fallback: a benchmark of a
+    copy of the step would not measure what the server runs."""
     try:
-        module = importlib.import_module("vase_sglang_patches.runtime")
+        module = importlib.import_module(f"vase_sglang_patches.{name}")
     except Exception as exc:
-        raise SystemExit(f"error: cannot import vase_sglang_patches.runtime ({exc!r}): install "
+        raise SystemExit(f"error: cannot import vase_sglang_patches.{name} ({exc!r}): install "
                          f"the project (pip install -e .) or link patches/ as "
                          f"vase_sglang_patches") from exc
-    want = (ROOT / "patches" / "runtime.py").resolve()
+    want = (ROOT / "patches" / f"{name}.py").resolve()
     if Path(module.__file__).resolve() != want:
-        raise SystemExit(f"error: vase_sglang_patches.runtime is {module.__file__}, not {want}: "
+        raise SystemExit(f"error: vase_sglang_patches.{name} is {module.__file__}, not {want}: "
                          f"the benchmark would time another tree's step")
     return module
 
@@ -338,14 +337,14 @@ class _Allocator:
 
 class FakeServer:
     """A KV pool holding B evictable requests of T + R private tokens each, and the real
-    EvictionRuntime of patches/runtime.py on it."""
+    EvictionRuntime of patches/runtime.py on it, evicted by patches/step.py."""
 
     def __init__(self, shape: Shape, b: int, t: int, r: int, dtype, device, seed: int,
                  with_ring: bool, runtime_module):
         self.shape, self.b, self.t, self.r = shape, b, t, r
         self.device = torch.device(device)
         self.module = runtime_module
-        self.step = importlib.import_module("vase_sglang_patches.step")
+        self.step = load_runtime_module("step")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         num_slots = b * (t + r) + 1
         buf_shape = (num_slots, shape.kv_heads, shape.head_dim)
@@ -550,7 +549,7 @@ def check_step(server: FakeServer, cfg) -> dict:
     result["kept_indices_equal"] = flips == 0
     result["near_tie_flips"] = flips
 
-    # The real step (EvictionRuntime.evict) from identical pools with each backend.
+    # The real step (step.evict) from identical pools with each backend.
     after = {}
     for backend in ("torch", "triton"):
         server.set_pool(orig_k, orig_v)
@@ -795,7 +794,7 @@ def run_benchmark(ctx: Context, progress: bool) -> list[dict]:
                                                       ctx.warmup, ctx.repeats)
                         row.update(
                             status="ok", reason="",
-                            step=f"{ctx.runtime_module.__name__}.EvictionRuntime.evict",
+                            step="vase_sglang_patches.step.evict",
                             ms={k: v * 1e3 for k, v in median.items()},
                             samples_ms={k: [x * 1e3 for x in v] for k, v in samples.items()},
                             gb_per_s=row["bytes"]["total"] / median["total"] / 1e9,

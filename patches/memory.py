@@ -3,7 +3,7 @@ and the query ring's memory before the KV pool is sized from the free memory (el
 push a full pool out of memory, the failure R-KV's port hit with its query buffer), and size
 the ring with the pool, not beside it.
 
-The workspace (vase_sglang/workspace.py, docs/memory.md) bounds one eviction step: a buffer for
+The workspace (vase_sglang/plan.py, docs/memory.md) bounds one eviction step: a buffer for
 the gathered K/V and window queries plus headroom for the score temporaries; its size is logged
 and set by --kv-evict-workspace-mb.
 
@@ -99,12 +99,11 @@ def kv_shapes(layers, kv_dtype: torch.dtype, window: int, model_dtype: torch.dty
 
 
 def around_profile(original, self, *args, **kwargs):
+    """AROUND KVCacheConfigurator._profile_available_bytes: the bytes left for the KV pool,
+    less the step workspace, trimkv's side buffers and the query ring (in that order)."""
     available = original(self, *args, **kwargs)
-    from sglang.srt.runtime_context import get_schedule
-
     from .model_runner import _attention_layers
-    from vase_sglang.plan import ring_bytes, side_bytes_per_token, workspace_bytes
-    from .settings import PROMPT_LEN, current, flag_name
+    from .settings import current
 
     server = current()
     cfg = server.config
@@ -114,10 +113,25 @@ def around_profile(original, self, *args, **kwargs):
     if not layers:
         return available
     shapes = kv_shapes(layers, self.kv_cache_dtype, cfg.window, self.model_dtype)
-    size = workspace_bytes(cfg, shapes, torch.device(self.device).type,
+    available -= _reserve_workspace(self, server, shapes)
+    kv_per_token = len(layers) * 2 * shapes.kv_heads * shapes.head_dim * shapes.kv_dtype.itemsize
+    if server.gates_path:
+        available -= _reserve_side_buffers(available, len(layers), shapes, kv_per_token)
+    if POLICIES[cfg.policy].needs_queries:
+        # The extend capture keeps one int64 ring row per pool token (EvictionRuntime
+        # .token_rows): take its share of the bytes left, as the pool takes the rest.
+        available -= available * 8 // (kv_per_token + 8)
+        available -= _reserve_ring(self, server, available, len(layers), shapes, kv_per_token)
+    return available
+
+
+def _reserve_workspace(configurator, server, shapes) -> int:
+    from vase_sglang.plan import workspace_bytes
+
+    cfg = server.config
+    size = workspace_bytes(cfg, shapes, torch.device(configurator.device).type,
                            max_budget=server.limits.max_budget,
-                           max_candidates=self.model_config.context_len)
-    available -= size.buffer + size.headroom
+                           max_candidates=configurator.model_config.context_len)
     logger.info(
         "VaSE eviction workspace: reserving %.1f MiB (%.1f MiB buffer for gathered K/V and "
         "queries, %.1f MiB for score temporaries; holds %s; budget %d)%s",
@@ -125,50 +139,63 @@ def around_profile(original, self, *args, **kwargs):
         size.describe(), cfg.budget,
         "" if cfg.workspace_mb else "; set --kv-evict-workspace-mb to choose",
     )
-    kv_per_token = len(layers) * 2 * shapes.kv_heads * shapes.head_dim * shapes.kv_dtype.itemsize
-    if server.gates_path:
-        # trimkv's side buffers have one row per pool slot (RetentionBuffers): take their share
-        # of the bytes left, as the pool takes the rest.
-        side = side_bytes_per_token(len(layers), shapes.kv_heads)
-        reserve = available * side // (kv_per_token + side)
-        capped = get_schedule().max_total_tokens
-        if capped:  # the pool will hold at most this many slots (plus a padding page)
-            reserve = min(reserve, (capped + (get_schedule().page_size or 1)) * side)
-        available -= reserve
-        logger.info(
-            "VaSE retention side buffers: reserving %.1f MiB (%d bytes; %d bytes per token slot "
-            "beside %d of K/V: log β and position, float32, per layer and KV head)",
-            reserve / 2**20, reserve, side, kv_per_token)
-    if not POLICIES[cfg.policy].needs_queries:
-        return available
-    # The extend capture keeps one int64 ring row per pool token (EvictionRuntime.token_rows):
-    # take its share of the bytes left, as the pool takes the rest.
-    available -= available * 8 // (kv_per_token + 8)
+    return size.buffer + size.headroom
+
+
+def _reserve_side_buffers(available: int, num_layers: int, shapes, kv_per_token: int) -> int:
+    """trimkv's side buffers have one row per pool slot (RetentionBuffers): their share of the
+    bytes left, as the pool takes the rest."""
+    from sglang.srt.runtime_context import get_schedule
+
+    from vase_sglang.plan import side_bytes_per_token
+
+    side = side_bytes_per_token(num_layers, shapes.kv_heads)
+    reserve = available * side // (kv_per_token + side)
+    capped = get_schedule().max_total_tokens
+    if capped:  # the pool will hold at most this many slots (plus a padding page)
+        reserve = min(reserve, (capped + (get_schedule().page_size or 1)) * side)
+    logger.info(
+        "VaSE retention side buffers: reserving %.1f MiB (%d bytes; %d bytes per token slot "
+        "beside %d of K/V: log β and position, float32, per layer and KV head)",
+        reserve / 2**20, reserve, side, kv_per_token)
+    return reserve
+
+
+def _reserve_ring(configurator, server, available: int, num_layers: int, shapes,
+                  kv_per_token: int) -> int:
+    """The query ring's rows (module doc); the cap on max running requests they imply goes to
+    around_max_num_reqs through _RING_CAP."""
+    from sglang.srt.runtime_context import get_schedule
+
+    from vase_sglang.plan import ring_bytes
+
+    from .settings import PROMPT_LEN, flag_name
+
+    cfg = server.config
     requested = get_schedule().max_running_requests
     if requested:
-        requested = max(1, requested // max(1, self.attn_dp_size))
+        requested = max(1, requested // max(1, configurator.attn_dp_size))
     dtype = shapes.q_dtype
-    per_row = ring_bytes(len(layers), 1, cfg.window, shapes.q_heads, shapes.head_dim,
+    per_row = ring_bytes(num_layers, 1, cfg.window, shapes.q_heads, shapes.head_dim,
                          dtype.itemsize)
     prompt = server.expected_prompt_len
     tokens = ring_tokens_per_request(cfg, get_schedule().page_size or 1, prompt)
-    charge = tokens - prompt
     rows, row_cap = ring_rows(available, per_row, requested, tokens, kv_per_token,
-                               get_schedule().max_total_tokens)
+                              get_schedule().max_total_tokens)
     reserve = rows * per_row
     logger.info(
         "VaSE query ring: reserving %.1f MiB (%d bytes of %s) for %d request rows%s",
         reserve / 2**20, reserve, dtype, rows,
         "" if requested else
         (f" (what the pool beside it holds at {prompt} prompt tokens (assumed: "
-         f"{flag_name(PROMPT_LEN)}) + {charge} private tokens a request: max running "
+         f"{flag_name(PROMPT_LEN)}) + {tokens - prompt} private tokens a request: max running "
          f"requests capped to {row_cap}; set --max-running-requests to choose)"
          if row_cap else ""),
     )
     holder = _RING_CAP.get()
     if holder is not None:
         holder.append(row_cap)
-    return available - reserve
+    return reserve
 
 
 def around_max_num_reqs(original, self, *args, **kwargs):

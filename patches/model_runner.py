@@ -111,25 +111,12 @@ def _rank_kv_heads(model_runner, pool, cfg) -> int:
 def after_post_pool(result, model_runner):
     """AFTER ModelRunner._init_post_memory_pool_components: runs after the KV pool is built and
     before attention backends and CUDA graphs, so the query ring exists before capture."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
     server = settings.current()
     cfg = server.config
     if cfg is None or not cfg.evicts or getattr(model_runner, "is_draft_worker", False):
         return
     pool = model_runner.token_to_kv_pool
-    if type(pool) is not MHATokenToKVPool:
-        raise ValueError(
-            f"--model-path: KV eviction needs a plain MHA KV pool, this model uses "
-            f"{type(pool).__name__} (MLA, hybrid SWA/Mamba and quantised pools are not supported)"
-        )
-    if pool.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (
-        getattr(pool, "store_dtype", pool.dtype) != pool.dtype
-    ):
-        raise ValueError(
-            f"--kv-cache-dtype: KV eviction reads and moves K/V as float16, bfloat16 or "
-            f"float32; this KV cache is {pool.dtype}"
-        )
+    check_pool(pool)
     layers = _attention_layers(model_runner.model)
     attention = check_attention_layers(layers, pool.head_num, pool.head_dim,
                                        getattr(pool, "v_head_dim", pool.head_dim))
@@ -137,23 +124,7 @@ def after_post_pool(result, model_runner):
     num_q_heads, head_dim = layers[0].tp_q_head_num, layers[0].qk_head_dim
     queries = token_rows = None
     if POLICIES[cfg.policy].needs_queries:
-        req_pool = model_runner.req_to_token_pool
-        if SCRATCH_ROW in req_pool.free_slots:
-            raise ValueError(
-                f"--model-path: request table {type(req_pool).__name__} hands out row "
-                f"{SCRATCH_ROW}, which the query capture uses as its scratch row"
-            )
-        rows = req_pool.req_to_token.shape[0]
-        device = pool.k_buffer[0].device
-        queries = torch.zeros(
-            (len(pool.k_buffer), rows, cfg.window, num_q_heads, head_dim),
-            dtype=query_ring_dtype(pool.dtype, model_runner.dtype),
-            device=device,
-        )
-        # One entry per token of any extend forward: real tokens each hold a pool slot,
-        # padded prefill-graph buckets are at most the largest captured bucket.
-        token_rows = torch.full((max(pool.size, _largest_prefill_bucket()) + 1,), SCRATCH_ROW,
-                                dtype=torch.int64, device=device)
+        queries, token_rows = _query_buffers(model_runner, pool, cfg.window, num_q_heads, head_dim)
     retention = _retention_buffers(model_runner, pool, head_offset, server.gates_path)
     runtime.RUNTIME = runtime.EvictionRuntime(
         cfg=cfg,
@@ -183,16 +154,58 @@ def after_post_pool(result, model_runner):
                                                 retention.b2)) / 2**20)
     _warm_up(runtime.RUNTIME)
     output.enable_in_scheduler()
+    _log_enabled(runtime.RUNTIME)
+
+
+def check_pool(pool) -> None:
+    """Refuse at startup a KV pool the step cannot read or move."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    if type(pool) is not MHATokenToKVPool:
+        raise ValueError(
+            f"--model-path: KV eviction needs a plain MHA KV pool, this model uses "
+            f"{type(pool).__name__} (MLA, hybrid SWA/Mamba and quantised pools are not supported)"
+        )
+    if pool.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (
+        getattr(pool, "store_dtype", pool.dtype) != pool.dtype
+    ):
+        raise ValueError(
+            f"--kv-cache-dtype: KV eviction reads and moves K/V as float16, bfloat16 or "
+            f"float32; this KV cache is {pool.dtype}"
+        )
+
+
+def _query_buffers(model_runner, pool, window: int, num_q_heads: int, head_dim: int):
+    """The query ring [layers, request rows, window, H_q, D] (reserved in the memory plan:
+    memory.around_profile) and the extend capture's ring row per token."""
+    req_pool = model_runner.req_to_token_pool
+    if SCRATCH_ROW in req_pool.free_slots:
+        raise ValueError(
+            f"--model-path: request table {type(req_pool).__name__} hands out row "
+            f"{SCRATCH_ROW}, which the query capture uses as its scratch row"
+        )
+    rows = req_pool.req_to_token.shape[0]
+    device = pool.k_buffer[0].device
+    queries = torch.zeros((len(pool.k_buffer), rows, window, num_q_heads, head_dim),
+                          dtype=query_ring_dtype(pool.dtype, model_runner.dtype), device=device)
+    # One entry per token of any extend forward: real tokens each hold a pool slot,
+    # padded prefill-graph buckets are at most the largest captured bucket.
+    token_rows = torch.full((max(pool.size, _largest_prefill_bucket()) + 1,), SCRATCH_ROW,
+                            dtype=torch.int64, device=device)
+    return queries, token_rows
+
+
+def _log_enabled(rt) -> None:
+    queries, token_rows, workspace = rt.queries, rt.token_rows, rt.workspace
     ring = 0 if queries is None else queries.numel() * queries.element_size()
     rows_mb = 0 if token_rows is None else token_rows.numel() * token_rows.element_size() / 2**20
-    workspace = runtime.RUNTIME.workspace
     logger.info(
         "VaSE eviction on: %s (query ring %.1f MiB = %d bytes of %s, token rows %.1f MiB; "
         "step workspace %.1f MiB = %.1f MiB buffer + %.1f MiB for temporaries; "
         "KV heads from %d; %s)",
-        cfg, ring / 2**20, ring, None if queries is None else queries.dtype, rows_mb,
+        rt.cfg, ring / 2**20, ring, None if queries is None else queries.dtype, rows_mb,
         workspace.size / 2**20, workspace.buffer_bytes / 2**20, workspace.headroom / 2**20,
-        head_offset, attention,
+        rt.kv_head_offset, rt.attention,
     )
 
 

@@ -272,9 +272,9 @@ def published_page_size() -> int:
 
 
 def load_server_gates(path, hf_config, source=flag_name):
-    """The gates in `path` for the served model (vase_sglang.retention.load_gates); a bad file
+    """The gates in `path` for the served model (vase_sglang.gates.load_gates); a bad file
     raises ValueError naming the flag (or variable) and the reason."""
-    from vase_sglang.retention import GatesError, load_gates
+    from vase_sglang.gates import GatesError, load_gates
 
     try:
         return load_gates(path, hf_config)

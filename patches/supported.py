@@ -121,7 +121,7 @@ ALLOWED = {
     "decode_attention_backend": Allowed(ATTENTION_BACKENDS, "see --attention-backend"),
     "prefill_attention_backend": Allowed(ATTENTION_BACKENDS, "see --attention-backend"),
     # Any page size: the step keeps the paged row layout and frees whole pages
-    # (patches/runtime.py); tested at 1 and 16; --kv-evict-window must be >= it.
+    # (vase_sglang/rows.py); tested at 1 and 16; --kv-evict-window must be >= it.
     "page_size": Allowed(None, "tested at 1 and 16 (tests/test_paged.py); "
                          "--kv-evict-window must be at least one page"),
     "kv_cache_dtype": Allowed(("auto", "bf16", "bfloat16", "float16", "float32"),

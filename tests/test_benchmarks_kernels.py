@@ -42,7 +42,7 @@ def test_quick_run_writes_json_rows_and_plot(tmp_path):
     assert ok, f"no configuration ran: {[(r['status'], r['reason']) for r in rows]}"
     for r in ok:
         assert set(r["ms"]) == {"total"} and r["ms"]["total"] > 0, r["ms"]
-        assert r["step"] == "vase_sglang_patches.runtime.EvictionRuntime.evict"
+        assert r["step"] == "vase_sglang_patches.step.evict"
         assert len(r["samples_ms"]["total"]) == 2
         assert r["gb_per_s"] > 0 and r["bytes"]["total"] > 0
     assert report["machine"]["torch"] and report["machine"]["device_name"]
@@ -66,27 +66,27 @@ def test_check_mode_passes_on_a_tiny_configuration(tmp_path):
 
 
 def test_the_timed_step_is_the_servers(tmp_path, monkeypatch):
-    """Every timed call goes through EvictionRuntime.evict of patches/runtime.py, and each one
-    evicts (a step that frees nothing is an error, not a fast time)."""
+    """Every timed call goes through evict of patches/step.py, and each one evicts (a step
+    that frees nothing is an error, not a fast time)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks import kernels
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    module = kernels.load_runtime_module()
-    assert Path(module.__file__).resolve() == (ROOT / "patches" / "runtime.py").resolve()
-    real, freed = module.EvictionRuntime.evict, []
+    module = kernels.load_runtime_module("step")
+    assert Path(module.__file__).resolve() == (ROOT / "patches" / "step.py").resolve()
+    real, freed = module.evict, []
 
-    def counted(self, batch, *args, **kwargs):
-        freed.append(real(self, batch, *args, **kwargs))
+    def counted(rt, batch, *args, **kwargs):
+        freed.append(real(rt, batch, *args, **kwargs))
         return freed[-1]
 
-    monkeypatch.setattr(module.EvictionRuntime, "evict", counted)
+    monkeypatch.setattr(module, "evict", counted)
     assert kernels.main(["--policies", "snapkv,streaming", "--budgets", "64", "--requests", "2",
                          "--window", "16", "--layers", "2", "--warmup", "1", "--repeats", "3",
                          "--no-plot", "--no-progress", "--out", str(tmp_path / "k.json")]) == 0
     assert freed == [2 * 16] * (2 * (1 + 3))  # B * R slots per step, 2 policies x 4 steps
     # a no-op step must not be timed
-    monkeypatch.setattr(module.EvictionRuntime, "evict", lambda self, batch, *a, **k: 0)
+    monkeypatch.setattr(module, "evict", lambda rt, batch, *a, **k: 0)
     with pytest.raises(RuntimeError, match="freed 0 slots"):
         kernels.main(["--policies", "snapkv", "--budgets", "64", "--requests", "1", "--layers", "1",
                       "--window", "16", "--no-plot", "--no-progress", "--out", str(tmp_path / "x.json")])

@@ -417,7 +417,7 @@ def test_retention_gate_hook_is_capturable(monkeypatch, mode):
 def test_retention_gate_hook_writes_the_gates_log_beta_and_position(monkeypatch):
     """Real tokens: the slot of each token holds RetentionGates.log_beta of its input and its
     true position, for this layer only; padding tokens go to slot 0 only."""
-    from vase_sglang import retention as R
+    from vase_sglang import gates as R
     from vase_sglang_patches import runtime
 
     monkeypatch.setattr(runtime, "RUNTIME", make_runtime())

@@ -247,7 +247,7 @@ def test_compaction_keep_shifted_by_one():
 @pytest.mark.parametrize("shift", [5, 40, 70])
 def test_compaction_moves_the_newest_window_as_paged_eviction_does(shift):
     """Paged eviction copies the newest R tokens of every layer and head forward by `shift`
-    candidates (patches/runtime.py): keep = shift + arange(R), expanded with stride 0, on a
+    candidates (patches/step.py): keep = shift + arange(R), expanded with stride 0, on a
     column slice of the row's slots. shift < R overlaps sources and destinations, across
     the kernel's 32-wide blocks when R > 32."""
     b, num_layers, h, window, d = 2, 3, 2, 48, 64

@@ -5,7 +5,7 @@ page ownership, the idle leak check). Most tests use the shared paged server (co
 Settings: budget 48 and window 16 are multiples of the page, so the server's own evictions
 move whole pages of the newest window by rewriting the row; a request's own budget 40 (keep
 24: not a page multiple) takes the other path, a copy of the newest window into the
-candidates' pages (patches/runtime.py). Prompts are not page multiples unless said: their
+candidates' pages (vase_sglang/rows.py, patches/step.py). Prompts are not page multiples unless said: their
 partial last page is private and evicted like generated tokens.
 """
 

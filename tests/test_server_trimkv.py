@@ -5,7 +5,7 @@ One server (the shared paged server, conftest.py: snapkv with trimkv's gates loa
 request here asks for trimkv) with deterministic gates whose β spread widely (so retention,
 not age alone, decides), at --page-size 16: the server's budget 48 (a page
 multiple) moves the newest window by whole pages, a request's budget 40 copies it into the
-candidates' pages (patches/runtime.py), so both places where K/V move, and the side buffers
+candidates' pages (vase_sglang/rows.py, patches/step.py), so both places where K/V move, and the side buffers
 with them, are checked. The prompt's partial last page is private, as in tests/test_paged.py.
 """
 

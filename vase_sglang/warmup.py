@@ -154,7 +154,7 @@ class Scratch:
         """One chunk stage (evict_chunk) of b requests with n candidates over layers
         first_layer .. first_layer + l - 1, then, where pages are larger than one token and
         the kept count or n is not a multiple of them, the paged copy of the newest window
-        (patches/runtime.py EvictionRuntime._evict_requests). Returns keep."""
+        (patches/step.py _evict_requests). Returns keep."""
         policy = POLICIES[cfg.policy]
         window = cfg.window
         rows = self.row_slots(b, n, window)
