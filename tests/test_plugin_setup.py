@@ -100,7 +100,8 @@ def test_offline_engine_evicts_with_environment_settings(tiny_model, tmp_path):
 def test_query_ring_rows_are_what_the_pool_beside_them_can_run():
     from vase_sglang_patches.footprint import charge_len
     from vase_sglang import EvictionConfig
-    from vase_sglang_patches.memory import DEFAULT_MAX_ROWS, ring_bytes, ring_rows
+    from vase_sglang.plan import ring_bytes
+    from vase_sglang_patches.memory import DEFAULT_MAX_ROWS, ring_rows
 
     # The issue's case: Qwen2.5-0.5B shapes, window 64, bf16 (~2.75 MB per ring row) and
     # budget 128; 2 GiB to share between the ring and a pool of 12 KiB per token.
@@ -132,7 +133,8 @@ def test_query_ring_rows_count_the_prompts_the_pool_also_holds():
     gigabytes of ring that never run. With the prompt length assumed, no row is idle."""
     from vase_sglang import EvictionConfig
     from vase_sglang_patches.footprint import charge_len
-    from vase_sglang_patches.memory import ring_bytes, ring_rows, ring_tokens_per_request
+    from vase_sglang.plan import ring_bytes
+    from vase_sglang_patches.memory import ring_rows, ring_tokens_per_request
     from vase_sglang_patches.settings import DEFAULT_PROMPT_LEN, prompt_len_from_values
 
     cfg = EvictionConfig(policy="vase-attnv", budget=1024, window=64)

@@ -70,6 +70,6 @@ def rewrite_row(prefix: int, n: int, keep: int, window: int, page_size: int = 1)
                       prefix + round_up_to_pages(n + window, page_size), dst + window)
 
 
-def freed_slots(n: int, keep: int, window: int, page_size: int) -> int:
-    """Slots one request gives back when it keeps `keep` of n candidates (whole pages)."""
-    return rewrite_row(0, n, keep, window, page_size).freed
+def freed_slots(n: int, k: int, window: int, page_size: int) -> int:
+    """Slots one request gives back when it keeps k of n candidates (whole pages)."""
+    return rewrite_row(0, n, k, window, page_size).freed
