@@ -39,6 +39,7 @@ they rely on, and `check_shapes` stops the process at load if SGLang differs.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import pkgutil
@@ -74,6 +75,10 @@ SHAPES = [
     (TARGET_CHECK_BUDGET,
      "def _check_prefill_budget(self, req: Req, *, extend_input_len: int, total_tokens: int,",
      "the new request's total is passed as the keyword total_tokens"),
+    (ADDER, "def ceil_paged_tokens(self, tokens: int) -> int:",
+     "admission pressure prices a refused request's prompt with it"),
+    (ADDER, "def rem_total_tokens(self):", "admission pressure's shortfall is measured against it"),
+    (ADDER, "def cur_rem_tokens(self):", "admission pressure's shortfall is measured against it"),
     (TARGET_UPDATE_BUDGET,
      "def _update_prefill_budget(self, prefix_len: int, extend_input_len: int, "
      "max_new_tokens: int,",
@@ -127,15 +132,54 @@ def _radix(adder) -> bool:
 def around_add_one_req(original, self, req, *args, **kwargs):
     """AROUND PrefillAdder.add_one_req."""
     cfg = request_config(req)
-    if cfg is None:
-        return original(self, req, *args, **kwargs)
-    token = _ADMITTING.set((req, charge_len(cfg, self.page_size)))
+    charge = None if cfg is None else charge_len(cfg, self.page_size)
+    if charge is None:
+        result = original(self, req, *args, **kwargs)
+    else:
+        token = _ADMITTING.set((req, charge))
+        try:
+            if req.sampling_params.ignore_eos and not _radix(self):
+                result = original(_GeneralPath(self), req, *args, **kwargs)
+            else:
+                result = original(self, req, *args, **kwargs)
+        finally:
+            _ADMITTING.reset(token)
+    _record_shortfall(self, req, result, charge)
+    return result
+
+
+# Slots the first request a scheduling round could not admit for want of memory lacked
+# (scheduler.around_get_new_batch_prefill reclaims them from elastic requests).
+_SHORTFALL: contextvars.ContextVar[list | None] = contextvars.ContextVar("vase_shortfall",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def recording_shortfall():
+    """For the duration of one scheduling round: a list that receives the shortfall of the
+    first request admission refuses with NO_TOKEN (empty if none)."""
+    holder: list[int] = []
+    token = _SHORTFALL.set(holder)
     try:
-        if req.sampling_params.ignore_eos and not _radix(self):
-            return original(_GeneralPath(self), req, *args, **kwargs)
-        return original(self, req, *args, **kwargs)
+        yield holder
     finally:
-        _ADMITTING.reset(token)
+        _SHORTFALL.reset(token)
+
+
+def _record_shortfall(adder, req, result, charge: int | None) -> None:
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    holder = _SHORTFALL.get()
+    if result is not AddReqResult.NO_TOKEN or holder is None or holder:
+        return
+    reserved = adder._swa_new_tokens(req)
+    if charge is not None:
+        reserved = min(reserved, charge)
+    extend = len(req.full_untruncated_fill_ids) - req.prefix_len
+    cost = adder.ceil_paged_tokens(extend) + reserved + adder.page_size
+    shortfall = cost - min(adder.rem_total_tokens, adder.cur_rem_tokens)
+    if shortfall > 0:
+        holder.append(int(shortfall))
 
 
 def around_add_chunked_req(original, self, req):

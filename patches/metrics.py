@@ -15,6 +15,12 @@ with `sglang:*`:
     vase:eviction_device_seconds   histogram of the device time of one step (CUDA events read
                                    without a sync, so reported a step or more late; on CPU the
                                    host time): the share of the GPU the step takes
+    vase:evictions_by_cause_total  request-rounds by cause: scheduled (budget, or elastic
+                                   ceiling, reached), decode_pressure (the next decode step did
+                                   not fit), admission_pressure (a waiting request did not)
+    vase:elastic_level             the level (tokens kept) elastic requests were last cut to
+    vase:elastic_over_floor_tokens tokens running elastic requests hold above their floors
+                                   (what pressure may take back), at the last decode step
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class EvictionMetrics:
     def __init__(self, labels: dict):
         # Imported here: prometheus_client must be imported after PROMETHEUS_MULTIPROC_DIR is set.
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         names = list(labels)
         self.labels = {k: str(v) for k, v in labels.items()}
@@ -48,8 +54,20 @@ class EvictionMetrics:
             "vase:eviction_device_seconds",
             "Device time of one eviction step (CUDA events, read when finished; CPU: wall time).",
             labelnames=names, buckets=BUCKETS)
+        self.by_cause = Counter("vase:evictions_by_cause_total",
+                                "Request-rounds evicted, by cause (scheduled, decode_pressure, "
+                                "admission_pressure).", labelnames=[*names, "cause"])
+        # Gauges in multiprocess mode: the most recent value of any process.
+        self.level = Gauge("vase:elastic_level",
+                           "Tokens kept by the elastic requests last cut under memory pressure.",
+                           labelnames=names, multiprocess_mode="mostrecent")
+        self.over_floor = Gauge("vase:elastic_over_floor_tokens",
+                                "Tokens running elastic requests hold above their floors.",
+                                labelnames=names, multiprocess_mode="mostrecent")
 
-    def record(self, evictions: int, tokens: int, slots: int, seconds: float) -> None:
+    def record(self, evictions: int, tokens: int, slots: int, seconds: float,
+               cause: str = "scheduled") -> None:
+        self.by_cause.labels(**self.labels, cause=cause).inc(evictions)
         self.evictions.labels(**self.labels).inc(evictions)
         self.evicted_tokens.labels(**self.labels).inc(tokens)
         self.freed_slots.labels(**self.labels).inc(slots)
@@ -57,6 +75,14 @@ class EvictionMetrics:
 
     def record_device(self, seconds: float) -> None:
         self.device_seconds.labels(**self.labels).observe(seconds)
+
+    def record_level(self, level: int) -> None:
+        self.level.labels(**self.labels).set(level)
+
+    def record_holdings(self, holdings) -> None:
+        from vase_sglang.elastic import over_floor
+
+        self.over_floor.labels(**self.labels).set(sum(over_floor(h) for h in holdings))
 
 
 METRICS: EvictionMetrics | None = None  # set in the scheduler process that exports metrics

@@ -1,5 +1,6 @@
 """Hooks on the output path: each response's meta_info gets `kv_evicted_tokens`, the number of
-its tokens evicted per (layer, KV head) so far.
+its tokens evicted per (layer, KV head) so far, and `kv_min_budget`, the smallest budget its
+cache was cut to (null: never cut; in elastic mode the lowest level memory pressure took it to).
 
 SGLang's own extension point carries it: SchedulerOutputStreamer emits "additional customized
 info" when its class flag `has_additional_customized_info` is set (we set it in the scheduler
@@ -11,6 +12,7 @@ from __future__ import annotations
 from . import runtime, state
 
 KEY = "kv_evicted_tokens"
+MIN_BUDGET_KEY = "kv_min_budget"
 TARGET_STREAMER = (
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 )
@@ -32,14 +34,16 @@ def after_build_info(result, self, reqs):
         return result
     result = dict(result or {})
     result[KEY] = [[state.evicted_tokens(req)] for req in reqs]
+    result[MIN_BUDGET_KEY] = [[state.min_budget(req)] for req in reqs]
     return result
 
 
 def after_update_meta_info(result, self, meta_info, *args, **kwargs):
     """AFTER TokenizerManager.update_request_meta_info: latest cumulative count, not a list."""
-    values = meta_info.get(KEY)
-    if isinstance(values, list):
-        meta_info[KEY] = values[-1] if values else 0
+    for key, empty in ((KEY, 0), (MIN_BUDGET_KEY, None)):
+        values = meta_info.get(key)
+        if isinstance(values, list):
+            meta_info[key] = values[-1] if values else empty
 
 
 SCHEDULER_HOOKS = [(TARGET_BUILD_INFO, "AFTER", after_build_info)]

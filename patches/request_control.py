@@ -25,7 +25,7 @@ from .settings import (GRID, MAX_BUDGET, MIN_WINDOW, RequestLimits, current, fla
                        published_page_size)
 
 KEY = "kv_evict"
-FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed")
+FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed", "mode")
 TARGET_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 
 
@@ -67,6 +67,10 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None,
             _fail(field, f"must be an integer, got {v!r}")
     if "policy" in value and not isinstance(value["policy"], str):
         _fail("policy", f"must be a policy name, got {value['policy']!r}")
+    if server.ceiling is not None and value.get("budget") is not None and (
+            isinstance(value["budget"], int) and value["budget"] > server.ceiling):
+        _fail("budget", f"must be <= the server's --kv-evict-ceiling ({server.ceiling}); "
+                        f"got {value['budget']}")
 
     changes = {k: v for k, v in value.items() if v is not None}
     if "value_slots" not in changes and (

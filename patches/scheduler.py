@@ -9,7 +9,9 @@ import logging
 
 import torch
 
-from . import runtime, state, step
+from vase_sglang.elastic import freed_by_cut
+
+from . import footprint, metrics, runtime, state, step
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -25,33 +27,91 @@ def around_update_running_batch(original, self, batch):
     so freed slots avert needless retraction and prepare_for_decode sees the new lengths."""
     rt = runtime.RUNTIME
     if rt is not None and not batch.is_empty():
-        finishing = ()
-        if self.enable_overlap:
-            finishing = set(self._reqs_finishing_inflight(batch))
+        finishing = _finishing(self, batch)
         evict_due(self, rt, batch, finishing)
         staying = [i for i, r in enumerate(batch.reqs) if r not in finishing]
         if staying and not batch.check_decode_mem(selected_indices=staying):
             # The next step does not fit (check_decode_mem has already reclaimed what the
-            # radix cache could give). Cut requests that are over budget but not yet due
-            # back to it rather than let the original retract: a retracted compacted request
-            # must re-prefill its whole true length.
-            freed = evict_due(self, rt, batch, finishing, early=True)
+            # radix cache could give). Cut requests that are over budget (fixed mode) or over
+            # their floor (elastic) back rather than let the original retract: a retracted
+            # compacted request must re-prefill its whole true length.
+            freed = relieve_pressure(self, rt, batch, finishing, 0, step.DECODE_PRESSURE)
             if freed:  # else nothing is over budget by a page: SGLang retracts, and says so
                 # INFO like SGLang's own "KV cache pool is full. Retract requests." line.
                 logger.info("KV cache pool short for the next decode step: early eviction "
                             "freed %d slots", freed)
+        if metrics.METRICS is not None:
+            metrics.METRICS.record_holdings(step.elastic_holdings(batch, finishing))
     return original(self, batch)
 
 
-def evict_due(scheduler, rt, batch, finishing, early: bool = False) -> int:
+def _finishing(scheduler, batch):
+    """Requests whose last token, in flight under the overlap scheduler, finishes them."""
+    return set(scheduler._reqs_finishing_inflight(batch)) if scheduler.enable_overlap else ()
+
+
+def evict_due(scheduler, rt, batch, finishing) -> int:
     """Evict the requests of `batch` that are due (host state decides); returns the slots
     freed. Only a step that evicts orders the scheduler's stream after the forward in flight:
     a wait on every decode step would queue every next forward behind the previous one."""
-    groups = step.due_groups(rt, batch, skip=finishing, early=early)
+    groups = step.due_groups(rt, batch, skip=finishing)
     if not groups:
         return 0
     wait_for_forward(scheduler)
     return step.run(rt, batch, groups)
+
+
+def relieve_pressure(scheduler, rt, batch, finishing, shortfall: int, cause: str) -> int:
+    """Free at least `shortfall` slots plus headroom for the next `window` decode steps of the
+    batch (so that pressure does not return on every step) from the requests of `batch`
+    (step.pressure_groups); returns the slots freed."""
+    staying = sum(1 for r in batch.reqs if r not in finishing)
+    need = shortfall + rt.cfg.window * staying
+    groups, level = step.pressure_groups(rt, batch, finishing, need, _rank_of(scheduler))
+    if not groups:
+        return 0
+    wait_for_forward(scheduler)
+    freed = step.run(rt, batch, groups, cause)
+    if level is not None:
+        rt.stats.level = level
+        if metrics.METRICS is not None:
+            metrics.METRICS.record_level(level)
+    return freed
+
+
+def _rank_of(scheduler):
+    """Who loses tokens first under pressure: with --enable-priority-scheduling the requests
+    SGLang would schedule last (SGLang's own order of priority values), else all alike."""
+    if not getattr(scheduler, "enable_priority_scheduling", False):
+        return lambda req: 0
+    sign = -1 if getattr(scheduler, "schedule_low_priority_values_first", False) else 1
+    return lambda req: sign * (req.priority or 0)
+
+
+TARGET_NEW_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+
+
+def around_get_new_batch_prefill(original, self, running_batch):
+    """AROUND Scheduler.get_new_batch_prefill: admission pressure. A waiting request that the
+    floor-charged admission (footprint.py) would take but the free pool cannot hold (it stops
+    admission with NO_TOKEN; footprint records the shortfall) is made room for by cutting
+    elastic requests over their floors, when they hold enough above them to cover it, so it
+    is admitted at the next scheduling round instead of waiting for a request to finish."""
+    with footprint.recording_shortfall() as shortfall:
+        plan = original(self, running_batch)
+    rt = runtime.RUNTIME
+    batch = plan.running_batch
+    if rt is None or not shortfall or batch is None or batch.is_empty():
+        return plan
+    finishing = _finishing(self, batch)
+    reclaimable = sum(freed_by_cut(h, 0, rt.page_size)
+                      for h in step.elastic_holdings(batch, finishing))
+    if reclaimable >= shortfall[0]:
+        freed = relieve_pressure(self, rt, batch, finishing, shortfall[0], step.ADMISSION_PRESSURE)
+        if freed:
+            logger.info("a waiting request does not fit the KV cache pool: elastic eviction "
+                        "freed %d slots", freed)
+    return plan
 
 
 def wait_for_forward(scheduler) -> None:
@@ -142,6 +202,7 @@ def around_tree_checkpoint(original, tree, req, *args, up_to, **kwargs):
 
 HOOKS = [
     (TARGET_CREATE_REQ, "AFTER", after_create_req),
+    (TARGET_NEW_PREFILL, "AROUND", around_get_new_batch_prefill),
     (TARGET_UPDATE_RUNNING_BATCH, "AROUND", around_update_running_batch),
     (TARGET_RETRACTION_ORDER, "AROUND", around_retraction_order),
     (TARGET_RESET_FOR_RETRACT, "AFTER", after_reset_for_retract),

@@ -5,8 +5,8 @@ process SGLang spawns (`sgl.Engine(**kwargs)` only accepts real ServerArgs field
 ServerArgs cannot carry extra fields to the spawned processes):
 
     VASE_KV_EVICT_POLICY, VASE_KV_EVICT_BUDGET, VASE_KV_EVICT_WINDOW,
-    VASE_KV_EVICT_VALUE_SLOTS, VASE_KV_EVICT_SINKS, VASE_KV_EVICT_SEED,
-    VASE_KV_EVICT_WORKSPACE_MB, VASE_KV_EVICT_RETENTION_GATES, VASE_KV_EVICT_MAX_BUDGET,
+    VASE_KV_EVICT_VALUE_SLOTS, VASE_KV_EVICT_SINKS, VASE_KV_EVICT_SEED, VASE_KV_EVICT_MODE,
+    VASE_KV_EVICT_CEILING, VASE_KV_EVICT_WORKSPACE_MB, VASE_KV_EVICT_RETENTION_GATES, VASE_KV_EVICT_MAX_BUDGET,
     VASE_KV_EVICT_MIN_WINDOW, VASE_KV_EVICT_GRID, VASE_KV_EVICT_EXPECTED_PROMPT_LEN
 
 `launch_server --kv-evict-*` flags are sugar that write these variables; Engine users set them
@@ -48,6 +48,13 @@ FLAGS = {
     "seed": ("seed", int, "Seed of the stochastic policies; draws are keyed by (seed, the "
              "request's tokens, layer, KV head, round), so the same request gives the same "
              "output on every run and replica. Default 0."),
+    "mode": ("mode", str, "fixed (default): the cache is cut back to --kv-evict-budget every "
+             "--kv-evict-window tokens. elastic: the budget is a floor; a request's cache grows "
+             "while the KV pool has room and is cut (never below the budget) only when memory "
+             "is needed: the next decode step or a waiting request does not fit "
+             "(docs/elastic.md). Also per request: custom_params.kv_evict.mode."),
+    "ceiling": ("ceiling", int, "Elastic mode: a cache that reaches ceiling + window is cut back "
+                "to the ceiling even without memory pressure. Default: none."),
     "workspace-mb": ("workspace_mb", int, "MiB reserved at startup for one eviction step "
                      "(gathered K/V and score temporaries; the step is chunked over layers and "
                      "requests to stay inside it). Default: sized for 64 requests of one layer "

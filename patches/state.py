@@ -29,6 +29,7 @@ class RequestEviction:
     # crc32 of the request's first `hashed` tokens (prompt, then output): its draws' key
     hashed: int = 0
     token_crc: int = 0
+    min_budget: int | None = None  # the smallest budget it was cut to (meta_info), None: never
 
 
 STATE = "_vase"
@@ -61,9 +62,16 @@ def compacted(req) -> bool:
     return st is not None and st.rounds > 0
 
 
-def record_eviction(req, dropped: int) -> None:
-    """After a round that dropped `dropped` tokens per (layer, KV head) from the request."""
+def min_budget(req) -> int | None:
+    st = getattr(req, STATE, None)
+    return None if st is None else st.min_budget
+
+
+def record_eviction(req, dropped: int, budget: int) -> None:
+    """After a round that cut the request back to `budget` private tokens, dropping `dropped`
+    per (layer, KV head)."""
     st = state(req)
+    st.min_budget = budget if st.min_budget is None else min(st.min_budget, budget)
     st.pos_offset += dropped
     st.evicted += dropped
     st.rounds += 1

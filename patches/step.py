@@ -1,6 +1,7 @@
 """The eviction step on a running decode batch, as a pipeline of small stages:
 
-  1. group    which requests are due, grouped by (settings, n, sinks)      host only
+  1. group    which requests are due (scheduled, or under memory pressure:  host only
+              pressure_groups), grouped by (settings, n, sinks)
   2. plan     requests x layers per chunk (and candidates per chunk) that   vase_sglang.plan
               fit the workspace
   3. per chunk of requests: stage ids, then per chunk of layers:
@@ -31,6 +32,7 @@ import torch
 from vase_sglang import ops
 from vase_sglang.plan import MIN_CANDIDATE_CHUNK, StepPlan, group_bytes, plan_step, step_cost
 from vase_sglang.chunk import evict_chunk
+from vase_sglang.elastic import Holding, water_fill
 from vase_sglang.policies import POLICIES
 from vase_sglang.rows import RowRewrite, freed_slots, rewrite_row
 
@@ -40,22 +42,64 @@ from .state import record_eviction, request_config, request_key, pos_offset, sta
 logger = logging.getLogger("vase_sglang.eviction")
 
 
-def evict(rt, batch, skip=(), early: bool = False) -> int:
-    """Run the eviction step on a running decode batch; returns the slots freed.
-    With `early` (the next decode step does not fit in the pool) every request over its
-    budget is cut back to it, due or not: an early eviction instead of a retraction. All
-    at once rather than just enough for one step: the pool then has room for many steps,
-    and the requests stay in phase, so the next eviction is again one batched group."""
-    return run(rt, batch, due_groups(rt, batch, skip, early))
+SCHEDULED, DECODE_PRESSURE, ADMISSION_PRESSURE = "scheduled", "decode_pressure", "admission_pressure"
+CAUSES = (SCHEDULED, DECODE_PRESSURE, ADMISSION_PRESSURE)
+
+
+def evict(rt, batch, skip=()) -> int:
+    """Run the scheduled eviction step on a running decode batch; returns the slots freed."""
+    return run(rt, batch, due_groups(rt, batch, skip))
 
 
 # -- 1. group ----------------------------------------------------------------------------------
 
-def due_groups(rt, batch, skip=(), early: bool = False) -> dict:
-    """The requests of `batch` this step evicts, grouped by their effective settings
-    (per-request overrides) and by (n, sinks), so each group is one batched select +
-    compaction. Host state only: nothing runs on the device."""
+def due_groups(rt, batch, skip=()) -> dict:
+    """The requests of `batch` this step evicts on schedule (their private cache reached
+    trigger_len: budget + window in fixed mode, ceiling + window in elastic mode), grouped by
+    their effective settings (per-request overrides) and by (n, sinks), so each group is one
+    batched select + compaction. Host state only: nothing runs on the device."""
     groups: dict[tuple, list[int]] = {}
+    for i, req, cfg, private in _evictable(batch, skip):
+        if cfg.trigger_len is not None and private >= cfg.trigger_len:
+            _add(groups, i, req, cfg.replace(budget=cfg.scheduled_budget, ceiling=None), private)
+    return groups
+
+
+def pressure_groups(rt, batch, skip, need: int, rank_of=lambda req: 0) -> tuple[dict, int | None]:
+    """Memory pressure (the next decode step, or a waiting request, does not fit): the groups
+    that free it, and the lowest level an elastic request is cut to (None: none is).
+    Every fixed-mode request over its budget is cut back to it, due or not: an early eviction
+    instead of a retraction, all at once rather than just enough for one step, so the pool has
+    room for many steps and the requests stay in phase (the next eviction is again one batched
+    group). Elastic requests are water-filled (vase_sglang/elastic.py) to free what is still
+    needed of `need` slots; rank_of(req): lower ranks lose tokens first."""
+    groups: dict[tuple, list[int]] = {}
+    freed = 0
+    holdings, elastic = [], []
+    for i, req, cfg, private in _evictable(batch, skip):
+        if cfg.elastic:
+            holdings.append(Holding(private, cfg.budget, cfg.window, rank_of(req)))
+            elastic.append((i, req, cfg, private))
+        elif _early_frees(cfg, private, rt.page_size):
+            _add(groups, i, req, cfg, private)
+            freed += freed_slots(private - cfg.window, cfg.keep, cfg.window, rt.page_size)
+    levels = water_fill(holdings, need - freed, rt.page_size) if need > freed else {}
+    for j, level in levels.items():
+        i, req, cfg, private = elastic[j]
+        _add(groups, i, req, cfg.replace(budget=level, ceiling=None), private)
+    return groups, (min(levels.values()) if levels else None)
+
+
+def elastic_holdings(batch, skip=()) -> list[Holding]:
+    """The elastic requests of `batch` as the water-filling sees them (for metrics and for
+    what admission pressure may reclaim)."""
+    return [Holding(private, cfg.budget, cfg.window)
+            for _i, _req, cfg, private in _evictable(batch, skip) if cfg.elastic]
+
+
+def _evictable(batch, skip):
+    """(index, req, its settings, its private tokens) of every request of `batch` the step
+    may evict now."""
     for i, req in enumerate(batch.reqs):
         if req in skip or req.kv.req_pool_idx is None:
             continue
@@ -70,26 +114,29 @@ def due_groups(rt, batch, skip=(), early: bool = False) -> dict:
         kv = req.kv
         if kv.kv_committed_len != kv.kv_allocated_len:
             continue  # only speculative decoding over-allocates; rejected at startup
-        private = kv.kv_allocated_len - kv.cache_protected_len
-        if private >= cfg.trigger_len or (early and _early_frees(cfg, private, rt.page_size)):
-            n = private - cfg.window  # candidates: all private tokens but the newest window
-            sinks = max(0, cfg.sinks - kv.cache_protected_len)
-            # Seeds are passed per request (a tensor): requests differing only in their seed
-            # share a group, so a client's many seeds do not split a step into small ones.
-            groups.setdefault((cfg.replace(seed=0), n, sinks), []).append(i)
-    return groups
+        yield i, req, cfg, kv.kv_allocated_len - kv.cache_protected_len
+
+
+def _add(groups, i, req, cfg, private) -> None:
+    """Request i, cut back to cfg.budget, into its group."""
+    n = private - cfg.window  # candidates: all private tokens but the newest window
+    sinks = max(0, cfg.sinks - req.kv.cache_protected_len)
+    # Seeds are passed per request (a tensor): requests differing only in their seed share a
+    # group, so a client's many seeds do not split a step into small ones.
+    groups.setdefault((cfg.replace(seed=0), n, sinks), []).append(i)
 
 
 def _early_frees(cfg, private: int, page_size: int) -> bool:
-    """Whether cutting a request that is not due back to its budget frees memory: with
-    pages, dropping fewer tokens than separate its length from the last page boundary
+    """Whether cutting a fixed-mode request that is not due back to its budget frees memory:
+    with pages, dropping fewer tokens than separate its length from the last page boundary
     frees nothing, and would lose tokens for no gain."""
     n = private - cfg.window
     return private > cfg.budget and freed_slots(n, cfg.keep, cfg.window, page_size) > 0
 
 
-def run(rt, batch, groups: dict) -> int:
-    """Evict `groups` (from due_groups) of `batch`; returns the slots freed."""
+def run(rt, batch, groups: dict, cause: str = SCHEDULED) -> int:
+    """Evict `groups` (from due_groups or pressure_groups) of `batch`; returns the slots
+    freed."""
     if not groups:
         return 0
     start = time.perf_counter()
@@ -105,9 +152,10 @@ def run(rt, batch, groups: dict) -> int:
     elapsed = time.perf_counter() - start
     rt.stats.seconds += elapsed
     rt.stats.slots_freed += freed
+    rt.stats.by_cause[cause] = rt.stats.by_cause.get(cause, 0) + rt.stats.evictions - evictions
     if metrics.METRICS is not None:
         metrics.METRICS.record(rt.stats.evictions - evictions,
-                               rt.stats.tokens_evicted - tokens, freed, elapsed)
+                               rt.stats.tokens_evicted - tokens, freed, elapsed, cause)
     rt.report_device_times()
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
@@ -140,7 +188,7 @@ def _evict_group(rt, batch, cfg, members, n, sinks, new_lens) -> int:
     for i, req in zip(members, reqs):
         req.kv.kv_allocated_len -= dropped
         req.kv.kv_committed_len -= dropped
-        record_eviction(req, dropped)
+        record_eviction(req, dropped, cfg.budget)
         new_lens[i] = req.kv.kv_allocated_len
     return freed_slots(n, k, cfg.window, rt.page_size) * len(reqs)
 

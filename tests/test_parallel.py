@@ -175,3 +175,24 @@ def test_the_same_request_gives_the_same_text_on_every_run_replica_and_tp(dp2_se
     assert text(dp2_server, "random", sampling_seed=1) != text(dp2_server, "random",
                                                                sampling_seed=2)
     dp2_server.wait_idle_checked()
+
+
+@pytest.mark.parametrize("fixture", ["tp2_server", "dp2_server"])
+def test_elastic_pressure_on_every_rank(request, fixture):
+    """Elastic requests on a 4096-token pool per scheduler grow until the next decode step does
+    not fit, then are cut to a common level. Under tp=2 both ranks take the same pressure
+    decisions from the same host-side lengths (a mismatch frees different slots: SGLang's
+    strict checks stop the scheduler); under dp=2 each worker relieves its own pool."""
+    server = request.getfixturevalue(fixture)
+    n = 16 if fixture == "tp2_server" else 32  # dp: about 16 per worker
+    before = len(server.output())
+    out = server.post("/generate", {
+        "text": [f"Parallel elastic request {i}: the quick brown fox" for i in range(n)],
+        "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True,
+                            "custom_params": {"kv_evict": {"mode": "elastic"}}}})
+    server.wait_idle_checked()
+    log = server.output()[before:]
+    assert [len(o["output_ids"]) for o in out] == [300] * n
+    assert "early eviction freed" in log and "Retract requests" not in log
+    assert any(o["meta_info"]["kv_evicted_tokens"] for o in out)
+    assert all((o["meta_info"]["kv_min_budget"] or 10**9) >= BUDGET for o in out)

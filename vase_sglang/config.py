@@ -15,6 +15,11 @@ Vocabulary (kept identical in the SGLang flags `--kv-evict-*`):
   workspace_mb  memory an engine reserves for one eviction step (gathered K/V, score
                 temporaries); None = sized for the configured step (docs/memory.md). A server
                 setting: it changes how a step is chunked, never what it selects.
+  mode          "fixed": the cache is cut back to T every R tokens (the paper's semantics);
+                "elastic": T is a floor, the cache grows while memory is free and is cut
+                (never below T) only under memory pressure (docs/elastic.md).
+  ceiling       elastic: a cache that reaches ceiling + R is cut back to `ceiling` without
+                pressure, as fixed mode does at T; None = no ceiling.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ POLICY_NAMES = (
     "streaming",
     "evict-large-values",
 )
+MODES = ("fixed", "elastic")
 # Policies that may reserve value slots; trimkv's default is 0 (plain TRIM-KV).
 VALUE_SLOT_POLICIES = ("vase-attnv", "trimkv")
 
@@ -55,6 +61,8 @@ class EvictionConfig:
     projection_rank: int = 20  # r of the Gaussian projection of the CUR policies
     rkv_lambda: float = 0.5  # R-KV mix: lambda*importance - (1-lambda)*redundancy
     workspace_mb: int | None = None  # eviction step workspace (engines); None = default size
+    mode: str = "fixed"  # "fixed" or "elastic" (T is a floor, cut under memory pressure only)
+    ceiling: int | None = None  # elastic: cut back to it at ceiling + window without pressure
 
     def __post_init__(self):
         from .policies import POLICIES  # registry: built-ins plus register_policy()
@@ -77,6 +85,13 @@ class EvictionConfig:
                 f"budget: must be larger than window ({self.window}) since the budget includes "
                 f"the window, got {self.budget}"
             )
+        if self.mode not in MODES:
+            raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.ceiling is not None:
+            if isinstance(self.ceiling, bool) or not isinstance(self.ceiling, int):
+                raise ValueError(f"ceiling: must be an integer, got {self.ceiling!r}")
+            if self.ceiling < self.budget:
+                raise ValueError(f"ceiling: must be >= budget ({self.budget}), got {self.ceiling}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel: must be a positive odd integer, got {self.pool_kernel}")
         if self.projection_rank < 1:
@@ -128,9 +143,21 @@ class EvictionConfig:
         return self.policy != "full"
 
     @property
-    def trigger_len(self) -> int:
-        """Private cache length at which an eviction runs (then again every `window` tokens)."""
-        return self.budget + self.window
+    def elastic(self) -> bool:
+        return self.mode == "elastic"
+
+    @property
+    def scheduled_budget(self) -> int | None:
+        """What a scheduled eviction (one without memory pressure) cuts the cache back to: the
+        budget in fixed mode, the ceiling (None: never) in elastic mode."""
+        return self.ceiling if self.elastic else self.budget
+
+    @property
+    def trigger_len(self) -> int | None:
+        """Private cache length at which a scheduled eviction runs (then again every `window`
+        tokens); None: only memory pressure evicts (elastic mode without a ceiling)."""
+        top = self.scheduled_budget
+        return None if top is None else top + self.window
 
     def replace(self, **changes) -> "EvictionConfig":
         return dataclasses.replace(self, **changes)

@@ -150,7 +150,8 @@ def chunk_cost(cfg: EvictionConfig, shapes: KVShapes, n: int, device: str,
         chunk = None  # one chunk holds every candidate: the plain stage
     # The seed changes what is drawn, the workspace size how a step is chunked: neither
     # changes a chunk's memory, so configs differing only there share their traces.
-    cfg = cfg.replace(seed=0, workspace_mb=None)
+    # Nor does the mode (when a step runs, not what it does).
+    cfg = cfg.replace(seed=0, workspace_mb=None, mode="fixed", ceiling=None)
     return _chunk_cost(cfg, shapes, bucket, cfg.sinks, device, chunk)
 
 
@@ -345,6 +346,7 @@ def workspace_bytes(cfg: EvictionConfig, shapes: KVShapes, device_type: str,
     admits, e.g. the model's context length; default max_budget) streamed STREAM_CHUNK
     candidates at a time. `max_requests` bounds the group (its staged ids). Raises
     ValueError naming the flag if a requested size cannot hold them."""
+    cfg = cfg.replace(mode="fixed", ceiling=None)  # when a step runs does not change its memory
     max_budget = cfg.budget if max_budget is None else max(max_budget, cfg.budget)
     max_candidates = max_budget if max_candidates is None else max(max_candidates, max_budget)
     cost = step_cost(cfg, shapes, cfg.budget, device_type)

@@ -172,7 +172,9 @@ class ReferenceDecoder:
                     break
                 private = cache.get_seq_length() - prefix
                 # As the server: never before the first decode step (step 0 is the prefill).
-                if cfg.evicts and step >= 1 and private >= cfg.trigger_len:
+                # Elastic mode: only the ceiling cuts here (no memory pressure in a reference).
+                if (cfg.evicts and step >= 1 and cfg.trigger_len is not None
+                        and private >= cfg.trigger_len):
                     dropped = self._evict(cache, window_q, prefix, private - cfg.window,
                                           request_key, rounds)
                     offset += dropped
@@ -189,7 +191,7 @@ class ReferenceDecoder:
             del window_q[layer][: -self.cfg.window]
 
     def _evict(self, cache, window_q, prefix, n, request_key, rounds) -> int:
-        cfg = self.cfg
+        cfg = self.cfg.replace(budget=self.cfg.scheduled_budget)  # elastic: the ceiling
         layers = cache.layers
         keys = torch.stack([lay.keys[0, :, prefix: prefix + n] for lay in layers])  # [L, H, n, D]
         values = torch.stack([lay.values[0, :, prefix: prefix + n] for lay in layers])
