@@ -157,7 +157,8 @@ REQUEST_CASES = [
     ({"window": 16}, "kv_evict.window: must be <= the server's --kv-evict-window (8) for policy "
                      "'snapkv'"),
     ({"budgte": 64}, "kv_evict.budgte: unknown setting; use policy, budget, window, value_slots, "
-                     "sinks, seed"),
+                     "sinks, seed, mode"),
+    ({"mode": "lazy"}, "kv_evict.mode: must be one of fixed, elastic, got 'lazy'"),
     ({"budget": "64"}, "kv_evict.budget: must be an integer, got '64'"),
     ({"value_slots": 4}, "kv_evict.value_slots: only the vase-attnv policy reserves value slots"),
     ({"policy": "vase-attnv", "value_slots": 30},
@@ -175,7 +176,7 @@ REQUEST_CASES = [
     ({"sinks": 6}, "kv_evict.sinks: must be <= 4 (the server's sinks or --kv-evict-grid, the "
                    "larger); got 6"),
     ("off", "kv_evict: expected false, true or an object with keys policy, budget, window, "
-            "value_slots, sinks, seed; got 'off'"),
+            "value_slots, sinks, seed, mode; got 'off'"),
 ]
 PROMPT = "The quick brown fox"
 
