@@ -10,7 +10,7 @@ import random
 import pytest
 
 from vase_sglang import EvictionConfig
-from vase_sglang.elastic import Holding, freed_by_cut, over_floor, water_fill
+from vase_sglang.elastic import Holding, freed_by_cut, level_grid, over_floor, water_fill
 from vase_sglang.rows import freed_slots
 from vase_sglang_patches import step
 from vase_sglang_patches.request_control import effective_config
@@ -43,12 +43,19 @@ def test_mode_per_request():
 
 
 def _brute_force_level(holdings, members, need, page_size):
-    """The highest level on the page grid at which cutting `members` frees >= need."""
-    top = max(holdings[i].private for i in members) + page_size
-    for level in range(top - top % page_size, -1, -page_size):
+    """The highest grid level at which cutting `members` frees >= need."""
+    top = max(holdings[i].private for i in members)
+    for level in sorted(level_grid(top, page_size), reverse=True):
         if sum(freed_by_cut(holdings[i], level, page_size) for i in members) >= need:
             return level
     return None
+
+
+def test_level_grid():
+    assert level_grid(100) == [0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 13, 16, 19, 22, 26, 32, 38, 45, 53,
+                               64, 76, 90]
+    assert level_grid(100, 16) == [0, 16, 32, 48, 64, 80, 96]
+    assert len(level_grid(32768)) < 70  # few distinct levels over a server's life
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -100,8 +107,10 @@ def test_water_filling_against_brute_force(page_size):
 def test_water_filling_cuts_the_largest_first_and_evenly():
     holdings = [Holding(1000, 64, 16), Holding(400, 64, 16), Holding(100, 64, 16)]
     levels = water_fill(holdings, 700)
-    assert levels == {0: 350, 1: 350}  # 650 + 50 = 700 freed: the 100-token cache untouched
-    assert freed_by_cut(holdings[0], 350) + freed_by_cut(holdings[1], 350) == 700
+    # 362 (the next grid level) would free 638 + 38 < 700; 304 frees 696 + 96: the 100-token
+    # cache is untouched.
+    assert levels == {0: 304, 1: 304}
+    assert freed_by_cut(holdings[0], 304) + freed_by_cut(holdings[1], 304) == 792
     assert water_fill(holdings, 10**6) == {0: 64, 1: 64, 2: 64}  # all to their floors
     assert water_fill(holdings, 0) == {}
 
@@ -136,12 +145,13 @@ def test_pressure_groups_cut_fixed_requests_to_budget_and_water_fill_elastic_one
         cut = {batch.reqs[i].rid: (cfg.budget, n) for (cfg, n, _), members in groups.items()
                for i in members}
         # fixed over budget: back to it (frees 4); low priority first: all 168 above its floor;
-        # then the rest (300 - 4 - 168 = 128) from the largest elastic cache, down to 172.
+        # then the rest (300 - 4 - 168 = 128) from the largest elastic cache, down to the grid
+        # level 152 (181, the next, frees only 119).
         assert cut["fixed"] == (32, 28)
         assert cut["low"] == (32, 192)
-        assert cut["a"] == (172, 292) and "b" not in cut and "floor" not in cut
+        assert cut["a"] == (152, 292) and "b" not in cut and "floor" not in cut
         assert level == 32
-        assert freed_slots(292, 164, 8, 1) == 128
+        assert freed_slots(292, 144, 8, 1) == 148
         # Scheduled evictions leave elastic caches alone (no ceiling) ...
         assert {batch.reqs[i].rid for members in step.due_groups(None_rt(), batch).values()
                 for i in members} == set()

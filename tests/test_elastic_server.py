@@ -115,9 +115,10 @@ def test_a_waiting_request_is_made_room_for(radix_off_server):
     while "early eviction freed" not in radix_off_server.output()[before:]:
         assert thread.is_alive() and time.monotonic() < deadline, "the pool never filled"
         time.sleep(0.2)
-    # Its reservation (prompt + 64 tokens) is more than a decode-pressure cut leaves free
-    # (R = 16 tokens for each of the two running requests), so it cannot just slip in.
-    short = _generate(radix_off_server, ["A short question"], 64, ELASTIC)
+    # Its reservation (a ~250-token prompt + 64 tokens) is more than a decode-pressure cut
+    # leaves free (R = 16 tokens for each of the two running requests, up to one grid step
+    # more), so it cannot just slip in.
+    short = _generate(radix_off_server, ["Count the apples: " + "apple " * 50], 64, ELASTIC)
     short_at = time.monotonic()
     thread.join(timeout=600)
     assert not thread.is_alive()
