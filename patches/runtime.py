@@ -26,8 +26,6 @@ class EvictionStats:
     slots_freed: int = 0
     seconds: float = 0.0  # host wall time of the steps (what the scheduler waited for)
     device_seconds: float = 0.0  # device time of the finished steps (StepTimer)
-    by_cause: dict = field(default_factory=dict)  # request-rounds per cause (step.CAUSES)
-    level: int | None = None  # the lowest level elastic requests were last cut to
 
 
 @dataclass

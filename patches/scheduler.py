@@ -72,10 +72,8 @@ def relieve_pressure(scheduler, rt, batch, finishing, shortfall: int, cause: str
         return 0
     wait_for_forward(scheduler)
     freed = step.run(rt, batch, groups, cause)
-    if level is not None:
-        rt.stats.level = level
-        if metrics.METRICS is not None:
-            metrics.METRICS.record_level(level)
+    if level is not None and metrics.METRICS is not None:
+        metrics.METRICS.record_level(level)
     return freed
 
 

@@ -32,7 +32,7 @@ import torch
 from vase_sglang import ops
 from vase_sglang.plan import MIN_CANDIDATE_CHUNK, StepPlan, group_bytes, plan_step, step_cost
 from vase_sglang.chunk import evict_chunk
-from vase_sglang.elastic import Holding, water_fill
+from vase_sglang.elastic import Holding, freed_by_cut, water_fill
 from vase_sglang.policies import POLICIES
 from vase_sglang.rows import RowRewrite, freed_slots, rewrite_row
 
@@ -80,9 +80,12 @@ def pressure_groups(rt, batch, skip, need: int, rank_of=lambda req: 0) -> tuple[
         if cfg.elastic:
             holdings.append(Holding(private, cfg.budget, cfg.window, rank_of(req)))
             elastic.append((i, req, cfg, private))
-        elif _early_frees(cfg, private, rt.page_size):
+        # Cut back to its budget where that frees a page (with pages, dropping fewer tokens
+        # than separate its length from the last page boundary frees nothing): the elastic
+        # rule at the floor.
+        elif (cut := freed_by_cut(Holding(private, cfg.budget, cfg.window), 0, rt.page_size)):
             _add(groups, i, req, cfg, private)
-            freed += freed_slots(private - cfg.window, cfg.keep, cfg.window, rt.page_size)
+            freed += cut
     levels = water_fill(holdings, need - freed, rt.page_size) if need > freed else {}
     for j, level in levels.items():
         i, req, cfg, private = elastic[j]
@@ -126,14 +129,6 @@ def _add(groups, i, req, cfg, private) -> None:
     groups.setdefault((cfg.replace(seed=0), n, sinks), []).append(i)
 
 
-def _early_frees(cfg, private: int, page_size: int) -> bool:
-    """Whether cutting a fixed-mode request that is not due back to its budget frees memory:
-    with pages, dropping fewer tokens than separate its length from the last page boundary
-    frees nothing, and would lose tokens for no gain."""
-    n = private - cfg.window
-    return private > cfg.budget and freed_slots(n, cfg.keep, cfg.window, page_size) > 0
-
-
 def run(rt, batch, groups: dict, cause: str = SCHEDULED) -> int:
     """Evict `groups` (from due_groups or pressure_groups) of `batch`; returns the slots
     freed."""
@@ -152,7 +147,6 @@ def run(rt, batch, groups: dict, cause: str = SCHEDULED) -> int:
     elapsed = time.perf_counter() - start
     rt.stats.seconds += elapsed
     rt.stats.slots_freed += freed
-    rt.stats.by_cause[cause] = rt.stats.by_cause.get(cause, 0) + rt.stats.evictions - evictions
     if metrics.METRICS is not None:
         metrics.METRICS.record(rt.stats.evictions - evictions,
                                rt.stats.tokens_evicted - tokens, freed, elapsed, cause)
