@@ -18,7 +18,7 @@ accuracy with a Wilson interval, paired per problem against full and against fix
 rate (difference with a paired bootstrap interval, exact McNemar p, same answer, identical
 output), and the effective budget: per request the smallest budget its cache ran at
 (`meta_info.kv_min_budget`; a request never cut ran at its whole private cache, its generated
-tokens). The radix cache is flushed before each run, so no run reuses another's prefills.
+tokens), and what it held at the end (generated tokens - tokens evicted per layer and head). The radix cache is flushed before each run, so no run reuses another's prefills.
 
 The `tf` command adds the accuracy harness' teacher-forced KL(full || vase-attnv) with the same
 window at fixed budgets (--tf-budgets): what a request held at a budget throughout costs. An
@@ -30,7 +30,7 @@ run row; a rerun skips finished runs and redoes a run cut short (its load figure
 run). `report` rebuilds summary.{json,md} and elastic_load.png from the records.
 
     python benchmarks/elastic_load.py run --model-path M --out results/elastic_load \\
-        --rates 0.05,0.2,1 --n 40 --max-total-tokens 3072
+        --rates 0.02:8,0.06,inf --n 16 --max-total-tokens 3072
     python benchmarks/elastic_load.py tf --model-path M --out results/elastic_load --tf-n 20
     python benchmarks/elastic_load.py report --out results/elastic_load
 """
@@ -284,7 +284,7 @@ def load_prompts(a) -> tuple[list[dict], list[list[int]]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(a.model_path)
-    probs = acc.load_problems(a.task, a.n, a.seed)
+    probs = acc.load_problems(a.task, max([a.n, *a.rate_n.values()]), a.seed)
     prompts = []
     for p in probs:
         msgs = [{"role": "user", "content": acc.PROMPT.format(q=p["question"])}]
@@ -297,8 +297,8 @@ def run(a) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     records = acc.Records(out / "records.jsonl")
-    cfg = {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
-           for k, v in vars(a).items()}
+    cfg = {**vars(a), "rates": [rate_label(r) for r in a.rates],
+           "rate_n": {rate_label(r): n for r, n in a.rate_n.items()}}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     with open(out / "runs.jsonl", "a") as f:
         f.write(json.dumps({"started": time.strftime("%Y-%m-%d %H:%M:%S"), **cfg}) + "\n")
@@ -316,7 +316,8 @@ def run(a) -> dict:
                              threads=a.threads, teacher_forcing=False)
         try:
             for rate in todo:
-                row = LoadRun(server, arm, rate, probs, prompts, a, records).run()
+                n = a.rate_n.get(rate, a.n)
+                row = LoadRun(server, arm, rate, probs[:n], prompts[:n], a, records).run()
                 records.add(row)
                 print(f"{arm} @ {rate_label(rate)}/s: {row['output_tok_s']:.1f} tok/s, "
                       f"{row['mean_running']:.1f} running (peak {row['peak_running']}), "
@@ -402,6 +403,9 @@ def summarize(records: dict, boot_iters: int = 10000) -> dict:
         s.update({"correct": k, "accuracy": k / n if n else None, "wilson95": list(st.wilson(k, n)),
                   "mean_tokens": st.mean(r["n_tokens"] for r in rows.values()),
                   "mean_effective_budget": st.mean(eff),
+                  # what the cache held at the end: an elastic cache grows again after a cut
+                  "mean_final_cache": st.mean(r["n_tokens"] - r["kv_evicted"]
+                                              for r in rows.values()),
                   "cut_share": st.mean(r["kv_min_budget"] is not None for r in rows.values())})
         for other in ("full", "fixed"):
             if other != run["arm"] and (other, run["rate"]) in reqs:
@@ -421,8 +425,8 @@ def _fmt(x, spec=".1f") -> str:
 def markdown(summary: dict) -> str:
     lines = ["| rate (req/s) | arm | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | "
              "running mean / peak | retractions | evictions: scheduled / decode / admission | "
-             "mean effective budget (cut %) | accuracy [95% Wilson] | vs full: Δ [95%], p, same answer | "
-             "vs fixed: Δ [95%], p |",
+             "effective budget: mean smallest / mean at the end (cut %) | accuracy [95% Wilson] | vs full: Δ [95%], McNemar p | "
+             "vs fixed: Δ [95%], McNemar p |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary["runs"]:
         c = s.get("evictions_by_cause") or {}
@@ -434,7 +438,8 @@ def markdown(summary: dict) -> str:
             if not v:
                 return "–"
             lo, hi = v["acc_diff_boot95"]
-            extra = f", {v['same_answer']:.0%} same" if name == "full" else ""
+            extra = (f", {v['same_answer']:.0%} same answer, {v['identical_output']:.0%} "
+                     "identical output" if name == "full" else "")
             return f"{v['acc_diff']:+.2f} [{lo:+.2f}, {hi:+.2f}], p={v['mcnemar_p']:.2f}{extra}"
 
         lines.append(
@@ -443,7 +448,7 @@ def markdown(summary: dict) -> str:
             f"{_fmt(s['itl_p50'] * 1e3 if s['itl_p50'] is not None else None, '.0f')} / "
             f"{_fmt(s['itl_p99'] * 1e3 if s['itl_p99'] is not None else None, '.0f')} | "
             f"{s['mean_running']:.1f} / {s['peak_running']} | {s['retractions']} | {ev} | "
-            f"{s['mean_effective_budget']:.0f} ({s['cut_share']:.0%}) | {acc_s} | {vs('full')} | "
+            f"{s['mean_effective_budget']:.0f} / {s['mean_final_cache']:.0f} ({s['cut_share']:.0%}) | {acc_s} | {vs('full')} | "
             f"{vs('fixed')} |")
     tf = summary.get("teacher_forced") or {}
     if tf:
@@ -469,8 +474,8 @@ def plot(summary: dict, out: Path) -> Path | None:
     x = {r: i for i, r in enumerate(rates)}
     panels = [("output_tok_s", "output tokens/s"), ("mean_running", "mean running requests"),
               ("ttft_p50", "TTFT p50 (s)"), ("accuracy", "accuracy (95% Wilson)"),
-              ("mean_effective_budget", "mean effective budget (tokens)"),
-              ("retractions", "retractions")]
+              ("mean_effective_budget", "mean smallest budget (tokens)"),
+              ("mean_final_cache", "mean private cache at the end (tokens)")]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (field, title) in zip(axes.flat, panels):
         for j, arm in enumerate(a for a in ARMS if any(r["arm"] == a for r in runs)):
@@ -529,8 +534,10 @@ def parse_args(argv=None):
 
     r = sub.add_parser("run", help="the load runs")
     common(r)
-    r.add_argument("--rates", default="0.05,0.2,1",
-                   help="arrival rates (requests/s, 'inf' = all at once), comma list")
+    r.add_argument("--rates", default="0.02:8,0.06,inf",
+                   help="arrival rates (requests/s, 'inf' = all at once), comma list; RATE:N "
+                        "serves that rate's run the first N problems instead of --n (a run at a "
+                        "low rate lasts about N / RATE seconds)")
     r.add_argument("--arms", default="full,fixed,elastic",
                    help=f"comma list of {', '.join(ARMS)} (elastic-trimkv needs --retention-gates)")
     r.add_argument("--max-total-tokens", type=int, default=3072,
@@ -552,9 +559,18 @@ def parse_args(argv=None):
 
     a = ap.parse_args(argv)
     if a.cmd == "run":
-        a.rates = [math.inf if x == "inf" else float(x) for x in a.rates.split(",") if x]
-        if any(x <= 0 for x in a.rates):
-            ap.error("--rates: rates must be > 0")
+        spec, a.rates, a.rate_n = a.rates, [], {}
+        for item in (x for x in spec.split(",") if x):
+            rate_s, _, n_s = item.partition(":")
+            try:
+                rate = math.inf if rate_s == "inf" else float(rate_s)
+                if n_s:
+                    a.rate_n[rate] = int(n_s)
+            except ValueError:
+                ap.error(f"--rates: {item!r} is not RATE or RATE:N")
+            if rate <= 0 or a.rate_n.get(rate, 1) <= 0:
+                ap.error(f"--rates: {item!r}: rates and N must be > 0")
+            a.rates.append(rate)
         a.arms = [x for x in a.arms.split(",") if x]
         bad = set(a.arms) - set(ARMS)
         if bad:

@@ -100,3 +100,25 @@ def test_end_to_end_with_resume(tiny_model_fp32, tmp_path):
         assert len(r["output_ids"]) == r["n_tokens"] and len(r["itl"]) == r["n_tokens"] - 1
     assert (out / "elastic_load.png").stat().st_size > 0
     assert "| inf | elastic |" in (out / "summary.md").read_text()
+
+    # teacher-forced KL at fixed budgets with the runs' window, through the accuracy harness
+    assert el.main(["tf", "--model-path", tiny_model_fp32, "--out", str(out), "--task",
+                    "chain_sum", "--max-new-tokens", "40", "--budget", "16", "--window", "8",
+                    "--tf-budgets", "16,24", "--tf-n", "1", "--threads", "1",
+                    "--boot-iters", "200"]) == 0
+    tf = json.loads((out / "summary.json").read_text())["teacher_forced"]
+    assert sorted(tf) == ["16", "24"]
+    for t in tf.values():
+        assert t["window"] == 8 and t["n"] == 1 and t["tokens_measured"] > 0
+        assert t["kl"] >= 0 and 0 <= t["top1_agree"] <= 1
+    assert len(json.loads((out / "summary.json").read_text())["runs"]) == 3  # runs kept
+
+
+def test_rates_option():
+    a = el.parse_args(["run", "--model-path", "m", "--rates", "0.02:8,0.04,inf", "--n", "16"])
+    assert a.rates == [0.02, 0.04, math.inf] and a.rate_n == {0.02: 8}
+    for bad in ("0", "0.5:x", "-1", "1:0"):
+        with pytest.raises(SystemExit):
+            el.parse_args(["run", "--model-path", "m", "--rates", bad])
+    with pytest.raises(SystemExit):  # trimkv needs gates
+        el.parse_args(["run", "--model-path", "m", "--arms", "elastic-trimkv"])
