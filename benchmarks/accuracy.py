@@ -105,6 +105,14 @@ from vase_sglang.serving import answers as _answers  # noqa: E402
 PROMPT = "{q}\n" + _answers.ANSWER_INSTRUCTION
 
 
+def prompt_ids(tok, prob: dict) -> list[int]:
+    """A problem's prompt tokens: the question and the answer instruction through the model's
+    chat template."""
+    msgs = [{"role": "user", "content": PROMPT.format(q=prob["question"])}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 def extract_answer(text: str) -> str | None:
     """The model's final answer, normalised ("72", "2.5", "1/3"); None if it gave none."""
     return _answers.extract_answer(text)
@@ -292,9 +300,7 @@ class Harness:
     # prompts ---------------------------------------------------------------
     def prompt_ids(self, prob: dict) -> list[int]:
         if prob["pid"] not in self._prompt_cache:
-            msgs = [{"role": "user", "content": PROMPT.format(q=prob["question"])}]
-            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            self._prompt_cache[prob["pid"]] = self.tok(text, add_special_tokens=False)["input_ids"]
+            self._prompt_cache[prob["pid"]] = prompt_ids(self.tok, prob)
         return self._prompt_cache[prob["pid"]]
 
     # servers ---------------------------------------------------------------
