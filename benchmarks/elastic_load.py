@@ -149,6 +149,7 @@ def stream_generate(url: str, payload: dict, timeout: float) -> dict:
     itl = [(times[i] - times[i - 1]) / (counts[i] - counts[i - 1]) for i in range(1, len(times))
            for _ in range(counts[i] - counts[i - 1])]
     return {"text": last["text"], "output_ids": ids, "meta": meta, "ttft": times[0],
+            "first_chunk_tokens": counts[0],  # a busy server can stream its first two at once
             "itl": itl, "latency": time.perf_counter() - t0}
 
 
@@ -176,6 +177,7 @@ class LoadRun:
                "finish": fin.get("type") if isinstance(fin, dict) else str(fin),
                "arrival": round(arrival, 3), "ttft": res["ttft"], "latency": res["latency"],
                "itl": [round(x, 5) for x in res["itl"]],
+               "first_chunk_tokens": res["first_chunk_tokens"],
                "kv_evicted": acc._evicted_total(meta.get("kv_evicted_tokens")) if self.evicts else 0,
                "kv_min_budget": meta.get("kv_min_budget") if self.evicts else None}
         return row
@@ -285,12 +287,7 @@ def load_prompts(a) -> tuple[list[dict], list[list[int]]]:
 
     tok = AutoTokenizer.from_pretrained(a.model_path)
     probs = acc.load_problems(a.task, max([a.n, *a.rate_n.values()]), a.seed)
-    prompts = []
-    for p in probs:
-        msgs = [{"role": "user", "content": acc.PROMPT.format(q=p["question"])}]
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    return probs, prompts
+    return probs, [acc.prompt_ids(tok, p) for p in probs]
 
 
 def run(a) -> dict:
