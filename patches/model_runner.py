@@ -9,6 +9,7 @@ import torch
 
 from vase_sglang import capture
 from vase_sglang.capture import SCRATCH_ROW
+from vase_sglang.ops import FP8_KV_DTYPES
 from vase_sglang.policies import POLICIES, AttentionParams
 
 from . import output, runtime, settings, state
@@ -116,8 +117,8 @@ def after_post_pool(result, model_runner):
     if cfg is None or not cfg.evicts or getattr(model_runner, "is_draft_worker", False):
         return
     pool = model_runner.token_to_kv_pool
-    check_pool(pool)
     layers = _attention_layers(model_runner.model)
+    check_pool(pool, layers)
     attention = check_attention_layers(layers, pool.head_num, pool.head_dim,
                                        getattr(pool, "v_head_dim", pool.head_dim))
     head_offset = _rank_kv_heads(model_runner, pool, cfg)
@@ -128,8 +129,9 @@ def after_post_pool(result, model_runner):
     retention = _retention_buffers(model_runner, pool, head_offset, server.gates_path)
     runtime.RUNTIME = runtime.EvictionRuntime(
         cfg=cfg,
-        k_buffers=pool.k_buffer,
-        v_buffers=pool.v_buffer,
+        # The step sees K/V in their dtype (8-bit floats: views of SGLang's byte storage).
+        k_buffers=_as_kv_dtype(pool.k_buffer, pool.dtype),
+        v_buffers=_as_kv_dtype(pool.v_buffer, pool.dtype),
         req_to_token=model_runner.req_to_token_pool.req_to_token,
         allocator=model_runner.token_to_kv_pool_allocator,
         num_q_heads=num_q_heads,
@@ -143,6 +145,7 @@ def after_post_pool(result, model_runner):
         retention=retention,
         limits=server.limits,
         max_candidates=model_runner.model_config.context_len,
+        query_dtype=query_ring_dtype(pool.dtype, model_runner.dtype),
     )
     if retention is not None:
         _install_retention_gate(model_runner.model, layers)
@@ -157,8 +160,13 @@ def after_post_pool(result, model_runner):
     _log_enabled(runtime.RUNTIME)
 
 
-def check_pool(pool) -> None:
-    """Refuse at startup a KV pool the step cannot read or move."""
+def check_pool(pool, layers=()) -> None:
+    """Refuse at startup a KV pool the step cannot read or move: it reads K/V as the attention
+    backends do and moves them as stored, which needs plain 16/32-bit floats, or 8-bit floats
+    stored as their bytes with no scales beside them (fp8_e4m3 / fp8_e5m2 of SGLang's plain
+    MHA pool) and no per-layer scale: torch_native reads the stored values as they are, while
+    the CUDA backends multiply them by the layer's k_scale / v_scale, so the scores match
+    both only at scale 1 (no quantization param file or checkpoint KV scales)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     if type(pool) is not MHATokenToKVPool:
@@ -166,12 +174,54 @@ def check_pool(pool) -> None:
             f"--model-path: KV eviction needs a plain MHA KV pool, this model uses "
             f"{type(pool).__name__} (MLA, hybrid SWA/Mamba and quantised pools are not supported)"
         )
-    if pool.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (
-        getattr(pool, "store_dtype", pool.dtype) != pool.dtype
-    ):
+    store = getattr(pool, "store_dtype", pool.dtype)
+    plain = pool.dtype in (torch.float16, torch.bfloat16, torch.float32) and store == pool.dtype
+    fp8 = (pool.dtype in FP8_KV_DTYPES and store == torch.uint8
+           and not getattr(pool, "is_quantized_kv_cache", False))
+    if not (plain or fp8):
         raise ValueError(
-            f"--kv-cache-dtype: KV eviction reads and moves K/V as float16, bfloat16 or "
-            f"float32; this KV cache is {pool.dtype}"
+            f"--kv-cache-dtype: KV eviction reads and moves K/V as float16, bfloat16, float32, "
+            f"or fp8_e4m3 / fp8_e5m2 stored as bytes without scale buffers; this KV cache is "
+            f"{pool.dtype} stored as {store}"
+            + (f" with {type(pool.quant_method).__name__}" if getattr(
+                pool, "is_quantized_kv_cache", False) else "")
+        )
+    if fp8:
+        for layer in layers:
+            for name in ("k_scale_float", "v_scale_float"):
+                scale = getattr(layer, name, None)
+                if scale is not None and float(scale) != 1.0:
+                    raise ValueError(
+                        f"--kv-cache-dtype {_KV_DTYPE_FLAG[pool.dtype]}: layer {layer.layer_id} "
+                        f"has {name[0]}_scale {float(scale)}; KV eviction scores 8-bit K/V only "
+                        f"at scale 1 (no --quantization-param-path, no KV scales in the "
+                        f"checkpoint)"
+                    )
+        if pool.k_buffer[0].device.type == "cuda":
+            check_fp8_kernels(pool.dtype, torch.cuda.get_device_capability(pool.k_buffer[0].device))
+
+
+def _as_kv_dtype(buffers, dtype):
+    """The pool's per-layer buffers as `dtype` (views of the same memory where SGLang stores
+    8-bit floats as uint8; the buffers themselves otherwise)."""
+    return buffers if all(b.dtype == dtype for b in buffers) else [b.view(dtype) for b in buffers]
+
+
+_KV_DTYPE_FLAG = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+def check_fp8_kernels(kv_dtype, capability: tuple[int, int]) -> None:
+    """Triton has e4m3 (fp8e4nv) only from sm_89 on; e5m2 from sm_80 (vase_sglang.ops.aot
+    compiles both: tests/test_triton_compile.py). The torch kernels (VASE_KERNELS=torch) read
+    both anywhere."""
+    from vase_sglang import ops
+
+    if (kv_dtype == torch.float8_e4m3fn and tuple(capability) < (8, 9)
+            and ops.kernel_backend("cuda") == "triton"):
+        raise ValueError(
+            f"--kv-cache-dtype fp8_e4m3: the eviction kernels read e4m3 only on sm_89 or newer "
+            f"(Triton), this GPU is sm_{capability[0]}{capability[1]}; use fp8_e5m2, or "
+            f"VASE_KERNELS=torch (slower scoring)"
         )
 
 

@@ -52,13 +52,17 @@ class EvictionRuntime:
     # The longest private cache the server admits (the model's context length): the
     # workspace holds one unit of it, streamed over candidates. None: the largest budget.
     max_candidates: int | None = None
+    # The query ring's dtype (memory.query_ring_dtype), also where there is no ring, so that
+    # the step's shapes equal those its workspace was planned with. None: the ring's, or K's.
+    query_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         k = self.k_buffers[0]
         ring = self.queries
+        q_dtype = ring.dtype if ring is not None else (self.query_dtype or k.dtype)
         self.shapes = KVShapes(
             kv_heads=k.shape[1], q_heads=self.num_q_heads, head_dim=self.head_dim,
-            kv_dtype=k.dtype, q_dtype=ring.dtype if ring is not None else k.dtype,
+            kv_dtype=k.dtype, q_dtype=q_dtype,
             ring_window=ring.shape[2] if ring is not None else self.cfg.window,
         )
         self.device_type = k.device.type  # the device the step's memory is planned for

@@ -124,8 +124,13 @@ ALLOWED = {
     # (vase_sglang/rows.py); tested at 1 and 16; --kv-evict-window must be >= it.
     "page_size": Allowed(None, "tested at 1 and 16 (tests/test_paged.py); "
                          "--kv-evict-window must be at least one page"),
-    "kv_cache_dtype": Allowed(("auto", "bf16", "bfloat16", "float16", "float32"),
-                              "scores need plain floating-point K/V"),
+    # fp8: SGLang's plain pool stores them as bytes with no scale buffers (the step moves the
+    # bytes and scores the float8 values: model_runner.check_pool); served on CPU with
+    # torch_native (tests/test_server_fp8.py). fp4 / mxfp8 carry per-token scale buffers.
+    "kv_cache_dtype": Allowed(("auto", "bf16", "bfloat16", "float16", "float32", "fp8_e4m3",
+                               "fp8_e5m2"),
+                              "scores need floating-point K/V (16/32-bit, or 8-bit stored "
+                              "without scale buffers)"),
     "disable_radix_cache": Allowed(BOTH, ""),  # both tested
     "disable_overlap_schedule": Allowed(BOTH, ""),  # both tested
     "retraction_policy": Allowed(("length", "priority"), ""),  # retraction order hook

@@ -43,6 +43,12 @@ from vase_sglang.ops.window_attention import (  # noqa: E402
 torch.set_num_threads(1)
 SCORE_TOL = dict(rtol=1e-4, atol=1e-6)
 DTYPES = [torch.float32, torch.bfloat16]
+# --kv-cache-dtype fp8_e4m3 / fp8_e5m2: K/V in 8 bits, the window queries in the model's dtype.
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _q_dtype(dtype):
+    return torch.bfloat16 if dtype in FP8 else dtype
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
@@ -53,7 +59,7 @@ def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
 # ---------------------------------------------------------------- value range
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + FP8)
 @pytest.mark.parametrize(
     "batch,h,n,d", [((2, 3), 2, 37, 64), ((), 4, 131, 128), ((2,), 1, 5, 100)]
 )
@@ -78,13 +84,13 @@ def test_value_range_strided_input():
 # ---------------------------------------------------------------- window attention
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + FP8)
 @pytest.mark.parametrize("group", [1, 2, 7])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("n,batch", [(37, (2, 3)), (131, (2,))])
 def test_window_attention_matches_reference(dtype, group, d, n, batch):
     h_kv, w = 2, 8
-    q = _randn(*batch, h_kv * group, w, d, dtype=dtype, seed=1, scale=2.0)
+    q = _randn(*batch, h_kv * group, w, d, dtype=_q_dtype(dtype), seed=1, scale=2.0)
     k = _randn(*batch, h_kv, n, d, dtype=dtype, seed=2, scale=2.0)
     out = window_attention_triton(q, k, temperature=0.7, pool_kernel=5)
     ref = window_attention_reference(q, k, temperature=0.7, pool_kernel=5)
@@ -161,7 +167,7 @@ def test_window_attention_rejects_even_pool_kernel():
 # ---------------------------------------------------------------- CUR leverage
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + FP8)
 @pytest.mark.parametrize(
     "batch,h,n,d,r", [((2, 3), 2, 37, 64, 20), ((2,), 7, 131, 128, 20), ((), 1, 5, 100, 3)]
 )
@@ -216,7 +222,7 @@ def _check_compaction(b, num_layers, h, n, d, keep, dtype, slot_dtype, seed=0):
     return sum(not torch.equal(_bits(a), _bits(o)) for a, o in zip(bufs, original))
 
 
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16] + FP8)
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("d", [64, 128, 80])
 def test_compaction_random_keep(dtype, slot_dtype, d):
@@ -443,12 +449,12 @@ def test_tensor_core_arithmetic_of_cur_leverage(dtype):
 def _candidates(dtype, seed, b=2, l=2, h=2, group=2, w=8, n=131, d=64):
     keys = _randn(b, l, h, n, d, dtype=dtype, seed=seed, scale=1.5)
     values = _randn(b, l, h, n, d, dtype=dtype, seed=seed + 1)
-    queries = _randn(b, l, h * group, w, d, dtype=dtype, seed=seed + 2, scale=1.5)
+    queries = _randn(b, l, h * group, w, d, dtype=_q_dtype(dtype), seed=seed + 2, scale=1.5)
     ids = dict(request=torch.arange(b)[:, None], layer=torch.arange(l)[None, :])
     return keys, values, queries, ids
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + FP8)
 @pytest.mark.parametrize("policy", ["snapkv", "vase-attnv", "vase-dkv", "curdkv", "rkv"])
 def test_selections_agree_with_the_torch_backend(policy, dtype):
     """select_tokens on Triton (interpreted) against torch: at least KEPT_AGREEMENT of every

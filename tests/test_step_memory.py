@@ -54,10 +54,10 @@ def _request(i, n, window, prefix=3):
 
 
 def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, workspace=None,
-          seed=0, prefix=3, page_size=1, candidates=None):
+          seed=0, prefix=3, page_size=1, candidates=None, q_dtype=None):
     """A runtime over a pool holding `requests` requests of n = budget candidates each (or
     candidates[i] for request i: a long private cache), and a decode batch of them. On meta
-    nothing is allocated."""
+    nothing is allocated. q_dtype: the query ring's (default: the K/V dtype)."""
     window = cfg.window
     ns = [cfg.budget] * requests if candidates is None else list(candidates)
     lengths = [prefix + n + window for n in ns]
@@ -74,7 +74,7 @@ def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, 
     v_buffers = [tensor(slots_total, kv_heads, head_dim) for _ in range(layers)]
     ring = None
     if POLICIES[cfg.policy].needs_queries:
-        ring = tensor(layers, requests + 1, window, q_heads, head_dim)
+        ring = tensor(layers, requests + 1, window, q_heads, head_dim, dt=q_dtype or dtype)
     # Each request's row: a shuffled run of slots, so gathers and compaction cross rows.
     if device == "meta":
         req_to_token = torch.empty(requests + 1, per_req + 8, dtype=torch.int32, device="meta")
@@ -87,7 +87,7 @@ def _step(cfg, *, layers, kv_heads, q_heads, head_dim, dtype, requests, device, 
     rt = runtime.EvictionRuntime(
         cfg=cfg, k_buffers=k_buffers, v_buffers=v_buffers, req_to_token=req_to_token,
         allocator=_Allocator(), num_q_heads=q_heads, head_dim=head_dim, start_layer=0,
-        queries=ring, workspace=workspace, page_size=page_size,
+        queries=ring, workspace=workspace, page_size=page_size, query_dtype=q_dtype,
     )
     reqs = [_request(i, n, window, prefix) for i, n in enumerate(ns)]
     lens = torch.tensor(lengths, dtype=torch.int64)
@@ -126,6 +126,62 @@ def test_step_peak_memory_stays_inside_the_reserved_workspace(policy, requests, 
     assert freed == requests * (cfg.budget - cfg.keep)
     assert workspace.overflows == 0  # every gather was a view of the buffer
     assert workspace.buffer_bytes + peak.peak <= workspace.size
+
+
+@pytest.mark.parametrize("policy,device", [("vase-attnv", "cuda"), ("vase-dkv", "cuda"),
+                                           ("snapkv", "cpu")])
+def test_fp8_step_stays_inside_its_smaller_workspace(policy, device, monkeypatch):
+    """--kv-cache-dtype fp8_e4m3 at Qwen3-4B shapes, T = 2048: the plan counts one byte per
+    gathered K/V element (the query ring stays bf16) and the upcast scores' temporaries, so its
+    workspace is smaller than bf16's and the step's traced peak still fits it."""
+    cfg = EvictionConfig(policy=policy, budget=2048, window=64)
+    layer = [SimpleNamespace(tp_k_head_num=8, tp_q_head_num=32, qk_head_dim=128)]
+    shapes = kv_shapes(layer, torch.float8_e4m3fn, cfg.window)
+    assert shapes.q_dtype == torch.bfloat16 and shapes.kv_dtype == torch.float8_e4m3fn
+    workspace = _meta_workspace(cfg, shapes, device)
+    bf16 = _meta_workspace(cfg, kv_shapes(layer, torch.bfloat16, cfg.window), device)
+    assert workspace.buffer_bytes < bf16.buffer_bytes
+    shape = dict(QWEN3_4B, dtype=torch.float8_e4m3fn)
+    rt, batch = _step(cfg, **shape, requests=64, device="meta", workspace=workspace,
+                      q_dtype=torch.bfloat16)
+    assert rt.shapes == shapes  # as planned, so the step finds its plan's cost (no trace)
+    monkeypatch.setattr(runtime, "RUNTIME", rt)
+    rt.device_type = device
+    with planning_for(device), PeakMemory() as peak:
+        freed = step.evict(rt, batch)
+    assert freed == 64 * (cfg.budget - cfg.keep)
+    assert workspace.overflows == 0
+    assert workspace.buffer_bytes + peak.peak <= workspace.size
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("policy", ["vase-attnv", "vase-dkv", "snapkv", "rkv",
+                                    "evict-large-values"])
+def test_fp8_step_equals_the_step_on_its_values_in_fp32(policy, kv_dtype, monkeypatch):
+    """A real chunked step on CPU over an 8-bit cache selects what the same step selects over
+    float32 buffers holding the same (dequantized) values, and moves the bytes exactly: the
+    scorers read the fp8 values, the gathers and moves their bytes."""
+    cfg = EvictionConfig(policy=policy, budget=23, window=4, sinks=3, seed=11)
+    shape = dict(layers=3, kv_heads=2, q_heads=6, head_dim=16)
+    fp8, batch = _step(cfg, **shape, dtype=kv_dtype, q_dtype=torch.float32, requests=5,
+                       device="cpu", seed=7)
+    fp32, batch32 = _step(cfg, **shape, dtype=torch.float32, requests=5, device="cpu", seed=7)
+    for a, b in zip(fp32.k_buffers + fp32.v_buffers, fp8.k_buffers + fp8.v_buffers):
+        a.copy_(b.float())
+    assert torch.equal(fp32.req_to_token, fp8.req_to_token)
+    if fp8.queries is not None:
+        assert torch.equal(fp32.queries, fp8.queries)
+    for rt, b in ((fp8, batch), (fp32, batch32)):
+        cost = step_cost(cfg, rt.shapes, cfg.budget, "cpu")
+        rt.workspace = Workspace(torch.empty(cost.buffer(2, 1), dtype=torch.uint8),
+                                 group_bytes(5) + cost.temporaries(2, 1))
+        monkeypatch.setattr(runtime, "RUNTIME", rt)
+        step.evict(rt, b)
+        assert rt.workspace.overflows == 0
+    for got, want in zip(fp8.k_buffers + fp8.v_buffers, fp32.k_buffers + fp32.v_buffers):
+        assert got.dtype == kv_dtype and torch.equal(got.float(), want)
+    assert torch.equal(fp8.req_to_token, fp32.req_to_token)
+    assert torch.equal(torch.cat(fp8.allocator.freed), torch.cat(fp32.allocator.freed))
 
 
 def test_default_workspace_figures_for_qwen3_4b():

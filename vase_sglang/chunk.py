@@ -35,7 +35,7 @@ class KVShapes:
     kv_heads: int
     q_heads: int
     head_dim: int
-    kv_dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV cache's (8-bit floats: one byte per element, moved as bytes)
     q_dtype: torch.dtype  # the query ring's
     ring_window: int  # entries per row of the query ring (the server's window)
 
@@ -138,7 +138,8 @@ def evict_chunk(cfg: EvictionConfig, k_buffers, v_buffers, ring, workspace: Work
         regions.append(out)
         if candidate_chunk is None:
             for j, layer in enumerate(layers):
-                torch.ops.aten.index.Tensor_out(buffers[layer], [slots], out=out[:, j])
+                torch.ops.aten.index.Tensor_out(ops.stored(buffers[layer]), [slots],
+                                                out=ops.stored(out[:, j]))
         gathered_kv.append(out.transpose(2, 3))  # [b, l, H, n, D]; streamed: a chunk's region
     keys, values = gathered_kv
     queries = None
@@ -211,7 +212,8 @@ class PoolCandidates(Candidates):
                 view = region.reshape(-1)[: b * l * (stop - start) * h * self.head_dim]
                 view = view.view(b, l, stop - start, h, self.head_dim)
                 for j, layer in enumerate(self.layers):
-                    torch.ops.aten.index.Tensor_out(buffers[layer], index, out=view[:, j])
+                    torch.ops.aten.index.Tensor_out(ops.stored(buffers[layer]), index,
+                                                    out=ops.stored(view[:, j]))
                 out.append(view.transpose(2, 3))  # [b, l, H, c, D]
             yield start, stop, *out
 

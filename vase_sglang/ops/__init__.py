@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .compact import compact_kv_reference_
+from .compact import FP8_KV_DTYPES, compact_kv_reference_, stored
 from .cur_leverage import cur_leverage_reference
 from .value_range import value_range_reference
 from .window_attention import window_attention_reference
@@ -126,4 +126,6 @@ __all__ = [
     "window_attention_reference",
     "cur_leverage_reference",
     "compact_kv_reference_",
+    "FP8_KV_DTYPES",
+    "stored",
 ]

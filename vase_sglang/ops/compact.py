@@ -23,6 +23,18 @@ except ImportError:  # torch-only install: the reference works, the kernel is no
     triton = None
 
 
+# 8-bit float KV caches (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): SGLang stores them as uint8
+# because index writes are not implemented for float8 on every device; the step moves them
+# the same way, as their bytes, and scores them as float8 views (upcast by the scorers).
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as the bytes it stores (a view) if it is an 8-bit float, else itself: what
+    the step's gathers and moves index."""
+    return t.view(torch.uint8) if t.dtype in FP8_KV_DTYPES else t
+
+
 def compact_kv_reference_(
     k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor, first_layer: int = 0
 ) -> None:
@@ -35,6 +47,7 @@ def compact_kv_reference_(
     for layer in range(num_layers):
         src = torch.gather(slots.unsqueeze(1).expand(b, h, slots.shape[1]), 2, keep[:, layer].long())
         for buf in (k_buffers[first_layer + layer], v_buffers[first_layer + layer]):
+            buf = stored(buf)
             moved = buf[src, head]  # [B, H, K, D], fully read before the write below
             buf[dst.unsqueeze(1).expand(b, h, k), head] = moved
 

@@ -82,8 +82,11 @@ if triton is not None:
     @triton.jit
     def _mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         """acc + a @ b, fp32 accumulation (see above)."""
+        # One dot, its operands cast or not: Triton compiles the statements after an `if`
+        # that returns, so a second `return tl.dot(a, b)` would be built for fp8 K too.
         if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         return tl.dot(a, b, acc, input_precision=PRECISION)
 
     @triton.jit

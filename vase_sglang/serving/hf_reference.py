@@ -11,6 +11,10 @@ teacher-forced fidelity measurements. Semantics mirrored from the plugin:
   - RoPE positions stay the true positions; draws are keyed by (seed, request key, layer, round)
     and the global KV head (this loop holds every head: offset 0);
   - window-attention scores use the model's own logit scaling and soft-cap (`attention_params`);
+  - an 8-bit float KV cache (`kv_dtype=torch.float8_e4m3fn` or `float8_e5m2`, as
+    --kv-cache-dtype fp8_e4m3 / fp8_e5m2 with scale 1): every K/V is rounded to that dtype as
+    it is cached (SGLang casts it to the pool's dtype when it stores it), and attention and
+    scores read the rounded values (torch_native casts them back to the query's dtype);
   - trimkv (`gates=`): log β of every token from the gates when it is processed (attention
     input of each layer), kept per (layer, KV head) with the token's true position and compacted
     with K/V; age = position of the next token - the token's position.
@@ -45,10 +49,24 @@ def attention_params(model) -> AttentionParams:
     return AttentionParams.of_layer(scaling, softcap, head_dim)
 
 
+def round_cache_writes(cache, dtype: torch.dtype) -> None:
+    """Make `cache` (a transformers Cache) store every new K/V rounded to `dtype` and hand
+    attention the rounded values, in the model's dtype: a KV cache kept in `dtype`."""
+    update = cache.update
+
+    def rounded(key_states, value_states, *args, **kwargs):
+        return update(key_states.to(dtype).to(key_states.dtype),
+                      value_states.to(dtype).to(value_states.dtype), *args, **kwargs)
+
+    cache.update = rounded
+
+
 class ReferenceDecoder:
     def __init__(self, model, cfg: EvictionConfig, *, protect_prompt: bool = True,
-                 page_size: int = 1, gates=None):
-        """gates: retention gates for trimkv (a RetentionGates or a gates file path)."""
+                 page_size: int = 1, gates=None, kv_dtype: torch.dtype | None = None):
+        """gates: retention gates for trimkv (a RetentionGates or a gates file path);
+        kv_dtype: the dtype K/V are cached in (None: the model's)."""
+        self.kv_dtype = kv_dtype
         self.model = model.eval()
         self.gates = self._gates_for(model, cfg, gates)
         self.cfg = cfg
@@ -149,6 +167,8 @@ class ReferenceDecoder:
         cfg = self.cfg
         steps = len(forced_ids) if forced_ids is not None else max_new_tokens
         cache = DynamicCache()
+        if self.kv_dtype is not None:
+            round_cache_writes(cache, self.kv_dtype)
         window_q: list[list[torch.Tensor]] = []  # per layer: recent [H_q, D] queries
         tokens, logprobs = [], []
         prefix = len(prompt_ids) // self.page_size * self.page_size if self.protect_prompt else 0
