@@ -159,9 +159,11 @@ class ReferenceDecoder:
             self._modeling.apply_rotary_pos_emb = original
 
     @torch.no_grad()
-    def run(self, prompt_ids, *, max_new_tokens: int = 0, forced_ids=None, request_key: int = 0):
+    def run(self, prompt_ids, *, max_new_tokens: int = 0, forced_ids=None, request_key: int = 0,
+            observe=None):
         """Greedy decode (or teacher-forced on `forced_ids`). Returns dict with `tokens`,
-        `logprobs` (of each emitted/forced token), `evicted` (per layer/head) and `rounds`."""
+        `logprobs` (of each emitted/forced token), `evicted` (per layer/head) and `rounds`.
+        observe(step, logp): called with each step's full-vocabulary log-probabilities."""
         from transformers import DynamicCache
 
         cfg = self.cfg
@@ -185,6 +187,8 @@ class ReferenceDecoder:
                 self._push_queries(window_q)
                 self._push_retention(pos)
                 logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                if observe is not None:
+                    observe(step, logp)
                 token = int(forced_ids[step]) if forced_ids is not None else int(logp.argmax())
                 tokens.append(token)
                 logprobs.append(float(logp[token]))
