@@ -129,8 +129,9 @@ ALLOWED = {
     # torch_native (tests/test_server_fp8.py). fp4 / mxfp8 carry per-token scale buffers.
     "kv_cache_dtype": Allowed(("auto", "bf16", "bfloat16", "float16", "float32", "fp8_e4m3",
                                "fp8_e5m2"),
-                              "scores need floating-point K/V (16/32-bit, or 8-bit stored "
-                              "without scale buffers)"),
+                              "scores need floating-point K/V: 16/32-bit, or fp8 stored "
+                              "without scale buffers at scale 1 (served on CPU; on CUDA "
+                              "allowed on reading, e4m3 from sm_89: docs/fp8_kv.md)"),
     "disable_radix_cache": Allowed(BOTH, ""),  # both tested
     "disable_overlap_schedule": Allowed(BOTH, ""),  # both tested
     "retraction_policy": Allowed(("length", "priority"), ""),  # retraction order hook
