@@ -637,10 +637,12 @@ def cmd_kl(a) -> dict:
                         f"teacher-forced; fp8cal scales from the prompts of {a.calib} problems (seed {a.seed + 1})",
               "head_dim": head_dim, "fp8cal_scales": scales,
               "arms": summarize_kl(rows, arms, head_dim, a.boot_iters, a.seed), "rows": rows,
+              "command": "python benchmarks/kv_quant.py " + " ".join(sys.argv[1:]) if a.record_argv else None,
               "seconds": round(time.time() - t0, 1)}
-    (out / "kl.json").write_text(json.dumps(result, indent=1))
+    name = f"kl_{a.tag}.json" if a.tag else "kl.json"
+    (out / name).write_text(json.dumps(result, indent=1))
     print_kl(result)
-    print(f"wrote {out}/kl.json ({result['seconds']} s)")
+    print(f"wrote {out}/{name} ({result['seconds']} s)")
     return result
 
 
@@ -707,6 +709,7 @@ def parse_args(argv=None):
             p.add_argument("--calib", type=int, default=4, help="problems whose prompts calibrate fp8cal")
             p.add_argument("--arms", default=",".join(KL_ARMS))
             p.add_argument("--boot-iters", type=int, default=10000)
+            p.add_argument("--tag", default="", help="write kl_TAG.json instead of kl.json")
     a = ap.parse_args(argv)
     a.record_argv = argv is None
     return a

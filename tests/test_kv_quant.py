@@ -78,6 +78,13 @@ def test_bytes_per_token(kq):
     assert kq.arm_bytes("mix-range:0.0625", d) == 0.0625 * 256 + 0.9375 * 72
     assert kq.arm_bytes("mix-random:0.25", d, protected_fraction=0.3) == 0.3 * 256 + 0.7 * 72
     assert kq.arm_bytes("int4", d) == 72
+    # "K/V" arms: each side half of its scheme's figure
+    assert kq.arm_sides("bf16/mix-range:0.0625") == ("bf16", "mix-range:0.0625")
+    assert kq.arm_sides("int4") == ("int4", "int4")
+    assert kq.arm_bytes("bf16/int4", d) == 128 + 36
+    assert kq.arm_bytes("int4/bf16", d) == 36 + 128
+    assert kq.arm_bytes("bf16/int4g32", d) == 128 + 40
+    assert abs(kq.arm_bytes("bf16/mix-range:0.0625", d, protected_fraction=0.1) - (128 + 0.1 * 128 + 0.9 * 36)) < 1e-9
 
 
 def test_running_top_is_causal_quota(kq):
