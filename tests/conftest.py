@@ -33,6 +33,24 @@ def tiny_model_fp32(tmp_path_factory) -> str:
     )
 
 
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_fp32):
+    """The fp32 tiny model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_fp32)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_fp32):
+    """The fp32 tiny model in transformers, the references' model (ReferenceDecoder only reads
+    it, so modules can share one copy)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32).eval()
+
+
 # Shared servers started so far, by fixture name; each is stopped right after the last test
 # that uses it (pytest_runtest_teardown below), not at the end of the session, so that idle
 # servers do not pile up in memory.

@@ -36,6 +36,44 @@ def trimkv_gates(config, seed=7):
                                           seed=seed)
 
 
+def serve_request(server, prompt_ids, n, seed=77, kv_evict=None):
+    """One request of n tokens past EOS, seeded: (output ids, their logprobs, meta_info)."""
+    sampling = {"ignore_eos": True, "sampling_seed": seed}
+    if kv_evict is not None:
+        sampling["custom_params"] = {"kv_evict": kv_evict}
+    out = server.generate(input_ids=prompt_ids, max_new_tokens=n, return_logprob=True,
+                          sampling_params=sampling)
+    return (out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]],
+            out["meta_info"])
+
+
+def reference(model, policy, prompt_ids, forced, *, budget, window, seed=5, request_key=77,
+              **decoder_kwargs):
+    """The transformers reference teacher-forced on `forced` with the servers' draws (config
+    seed, request key): ReferenceDecoder(...).run(...); decoder_kwargs as ReferenceDecoder's
+    (page_size, kv_dtype, protect_prompt, ...)."""
+    from vase_sglang import EvictionConfig
+    from vase_sglang.serving.hf_reference import ReferenceDecoder
+
+    cfg = EvictionConfig(policy=policy, budget=budget, window=window, seed=seed)
+    return ReferenceDecoder(model, cfg, **decoder_kwargs).run(
+        prompt_ids, forced_ids=forced, request_key=request_key)
+
+
+def max_logprob_diff(a, b, tol=None):
+    """The largest |a - b| of two equally long logprob lists, printed (with the first token
+    above tol, if given) so a failing comparison shows where it diverged."""
+    assert len(a) == len(b), (len(a), len(b))
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    worst = max(diffs)
+    where = ""
+    if tol is not None:
+        first = next((i for i, d in enumerate(diffs) if d > tol), None)
+        where = f", first above {tol} at token {first}"
+    print(f"max logprob diff {worst:.3g}{where}")
+    return worst
+
+
 # The tests' prompts are about 10 tokens: their evicting servers size the query ring for 8 (the
 # default assumes 256-token prompts and would cap the small test pools at a few running
 # requests, below what admission admits there).

@@ -15,11 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-
-from servers import PAGE, PAGED, SNAPKV, Server
+from servers import PAGE, PAGED, SNAPKV, Server, max_logprob_diff, reference, serve_request
 from vase_sglang import EvictionConfig
-from vase_sglang.serving.hf_reference import ReferenceDecoder
 
 BUDGET, WINDOW = PAGED["budget"], PAGED["window"]
 COPY = {"budget": 40}  # keep 24: the newest window is copied, not moved by pages
@@ -31,43 +28,17 @@ def _round_up(x, page=PAGE):
     return -(-x // page) * page
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_fp32):
-    return AutoTokenizer.from_pretrained(tiny_model_fp32)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_fp32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32)
-
-
-def _served(server, prompt_ids, n, seed=77, kv_evict=None):
-    sampling = {"ignore_eos": True, "sampling_seed": seed}
-    if kv_evict is not None:
-        sampling["custom_params"] = {"kv_evict": kv_evict}
-    out = server.generate(input_ids=prompt_ids, max_new_tokens=n, return_logprob=True,
-                          sampling_params=sampling)
-    return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
-
-
 def _served_together(server, prompt, requests: dict, n):
     """Every (name -> kv_evict) request in flight at once: decode batches mix them."""
     with ThreadPoolExecutor(len(requests)) as pool:
-        futures = {name: pool.submit(_served, server, prompt, n, kv_evict=kv)
+        futures = {name: pool.submit(serve_request, server, prompt, n, kv_evict=kv)
                    for name, kv in requests.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
 def _reference(model, policy, prompt_ids, forced, request_key=77, budget=BUDGET, page=PAGE):
-    cfg = EvictionConfig(policy=policy, budget=budget, window=WINDOW, seed=5)
-    return ReferenceDecoder(model, cfg, page_size=page).run(
-        prompt_ids, forced_ids=forced, request_key=request_key)
-
-
-def _max_diff(a, b):
-    return max(abs(x - y) for x, y in zip(a, b))
+    return reference(model, policy, prompt_ids, forced, budget=budget, window=WINDOW,
+                     request_key=request_key, page_size=page)
 
 
 FAITHFUL = ["snapkv", "vase-attnv", "vase-dkv", "streaming"]
@@ -99,14 +70,14 @@ def test_paged_faithful_to_transformers_reference(served_per_policy, hf_model, p
     assert len(tokens) == N_FAITHFUL
     ref = _reference(hf_model, policy, prompt, tokens, budget=budget)
     assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"] > 0
-    assert _max_diff(logprobs, ref["logprobs"]) < TOL
+    assert max_logprob_diff(logprobs, ref["logprobs"]) < TOL
     # Negative controls: another random stream, or the page-1 schedule (the whole prompt
     # protected), which keeps other tokens.
     if policy in RANDOMISED:
         other = _reference(hf_model, policy, prompt, tokens, request_key=78, budget=budget)
-        assert _max_diff(logprobs, other["logprobs"]) > 1e-2
+        assert max_logprob_diff(logprobs, other["logprobs"]) > 1e-2
     other = _reference(hf_model, policy, prompt, tokens, budget=budget, page=1)
-    assert _max_diff(logprobs, other["logprobs"]) > 1e-2
+    assert max_logprob_diff(logprobs, other["logprobs"]) > 1e-2
 
 
 def _token_usage(log):
@@ -123,7 +94,7 @@ def test_paged_footprint_is_whole_pages_within_the_page_rounded_bound(paged_serv
     the batch in flight), so the bound, not a visible dip, is what is checked."""
     prompt = tokenizer("0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20")["input_ids"]
     before = len(_token_usage(paged_server.output()))
-    tokens, _, meta = _served(paged_server, prompt, 300)
+    tokens, _, meta = serve_request(paged_server, prompt, 300)
     usage = _token_usage(paged_server.output())[before:]
     assert len(tokens) == 300 and meta["kv_evicted_tokens"] > 200
     assert len(usage) > 200, "a decode log line every step (--decode-log-interval 1)"
@@ -141,9 +112,9 @@ def test_paged_shared_prefix_over_several_pages_stays_cached(paged_server, token
     prompts = [tokenizer(common + s)["input_ids"] for s in suffixes]
     shared_pages = len(tokenizer(common)["input_ids"]) // PAGE
     assert shared_pages >= 3
-    alone = [_served(paged_server, p, 120)[0] for p in prompts]
+    alone = [serve_request(paged_server, p, 120)[0] for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:  # all in flight together
-        results = list(pool.map(lambda p: _served(paged_server, p, 120), prompts))
+        results = list(pool.map(lambda p: serve_request(paged_server, p, 120), prompts))
     for i, (tokens, _, meta) in enumerate(results):
         assert tokens == alone[i], f"request {i} differs when run with the others"
         assert meta["kv_evicted_tokens"] > 0
@@ -151,7 +122,7 @@ def test_paged_shared_prefix_over_several_pages_stays_cached(paged_server, token
     # The shared pages were not rewritten by the evictions: cached once more, every prompt
     # still gives its original output.
     for i, p in enumerate(prompts):
-        tokens, _, meta = _served(paged_server, p, 120)
+        tokens, _, meta = serve_request(paged_server, p, 120)
         # SGLang matches at most len - 1 tokens (one must be computed), in whole pages.
         assert meta["cached_tokens"] == (len(p) - 1) // PAGE * PAGE
         assert tokens == alone[i]
@@ -160,7 +131,7 @@ def test_paged_shared_prefix_over_several_pages_stays_cached(paged_server, token
 
 def test_paged_abort_mid_generation_frees_every_page(paged_server, tokenizer):
     prompt = tokenizer("KV cache eviction")["input_ids"]
-    before = _served(paged_server, prompt, 60)[0]
+    before = serve_request(paged_server, prompt, 60)[0]
     payload = {"input_ids": prompt, "stream": True, "rid": "abort-paged",
                "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True,
                                    "custom_params": {"kv_evict": COPY}}}
@@ -178,7 +149,7 @@ def test_paged_abort_mid_generation_frees_every_page(paged_server, tokenizer):
     paged_server.wait_idle_checked()
     used = sum(int(x["num_used_tokens"]) for x in paged_server.get("/v1/loads")["loads"])
     assert used == 0
-    assert _served(paged_server, prompt, 60)[0] == before
+    assert serve_request(paged_server, prompt, 60)[0] == before
 
 
 def test_window_below_the_page_is_refused_per_request(paged_server, tokenizer):
@@ -227,10 +198,10 @@ def test_page_16_equals_page_1_where_the_schedules_coincide(snapkv_server, paged
     (fp32), through both the page-moving and the copying path. One request at a time on both
     servers: in a shared batch the projections' float sums depend on which requests run
     together, and a sampled policy's near-tie may then flip one way on one server only."""
-    paged = {key: _served(paged_server, page_multiple_prompts[key], N_EQUAL, kv_evict=kv)
+    paged = {key: serve_request(paged_server, page_multiple_prompts[key], N_EQUAL, kv_evict=kv)
              for key, kv in _equal_requests().items()}
     paged_server.wait_idle_checked(1)
-    flat = {key: _served(snapkv_server, page_multiple_prompts[key], N_EQUAL, kv_evict=kv)
+    flat = {key: serve_request(snapkv_server, page_multiple_prompts[key], N_EQUAL, kv_evict=kv)
             for key, kv in _equal_requests().items()}
     snapkv_server.wait_idle_checked(1)
     for key in paged:
@@ -238,7 +209,7 @@ def test_page_16_equals_page_1_where_the_schedules_coincide(snapkv_server, paged
         assert meta["kv_evicted_tokens"] > 2 * WINDOW, key
         assert tokens == flat[key][0], key
         assert meta["kv_evicted_tokens"] == flat[key][2]["kv_evicted_tokens"], key
-        assert _max_diff(logprobs, flat[key][1]) < TOL, key
+        assert max_logprob_diff(logprobs, flat[key][1]) < TOL, key
 
 
 def test_paged_budget_never_reached_is_identical_to_stock(tiny_model_fp32, paged_server,

@@ -8,7 +8,6 @@ import urllib.request
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from servers import Server
 from vase_sglang import EvictionConfig
@@ -53,11 +52,6 @@ def tp2_server(tiny_model_fp32, gates_file):
     args = _args("--tp-size", "2", "--kv-evict-retention-gates", str(gates_file))
     with Server(tiny_model_fp32, args, env=TWO_RANKS) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_fp32):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("policy", TP_POLICIES)

@@ -12,11 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-
-from servers import SNAPKV, Server
-from vase_sglang import POLICY_NAMES, EvictionConfig
-from vase_sglang.serving.hf_reference import ReferenceDecoder
+from servers import SNAPKV, Server, max_logprob_diff, reference, serve_request
+from vase_sglang import POLICY_NAMES
 
 BUDGET, WINDOW = 32, 8
 TRIGGER = BUDGET + WINDOW
@@ -29,11 +26,6 @@ def _args(policy, *extra):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_fp32):
-    return AutoTokenizer.from_pretrained(tiny_model_fp32)
-
-
-@pytest.fixture(scope="module")
 def snapkv_server(snapkv_server):
     """The shared snapkv server (conftest.py), started with _args("snapkv") and a decode log
     line every step."""
@@ -41,33 +33,13 @@ def snapkv_server(snapkv_server):
     return snapkv_server
 
 
-def _served(server, prompt_ids, n, seed=77, kv_evict=None):
-    sampling = {"ignore_eos": True, "sampling_seed": seed}
-    if kv_evict is not None:
-        sampling["custom_params"] = {"kv_evict": kv_evict}
-    out = server.generate(input_ids=prompt_ids, max_new_tokens=n, return_logprob=True,
-                          sampling_params=sampling)
-    return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_fp32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32)
-
-
 def _reference(model, policy, prompt_ids, forced, request_key=77, budget=BUDGET, **kwargs):
-    cfg = EvictionConfig(policy=policy, budget=budget, window=WINDOW, seed=5)
-    return ReferenceDecoder(model, cfg, **kwargs).run(
-        prompt_ids, forced_ids=forced, request_key=request_key)
+    return reference(model, policy, prompt_ids, forced, budget=budget, window=WINDOW,
+                     request_key=request_key, **kwargs)
 
 
 def _max_diff(a, b):
-    diffs = [abs(x - y) for x, y in zip(a, b)]
-    first = next((i for i, d in enumerate(diffs) if d > TOL), None)
-    print(f"max logprob diff {max(diffs):.3g}, first above {TOL} at token {first}")
-    return max(diffs)
+    return max_logprob_diff(a, b, tol=TOL)
 
 
 # Tolerance: both sides run fp32; what remains is kernel summation order (observed ~2e-6).
@@ -88,7 +60,7 @@ def served_per_policy(snapkv_server, tokenizer):
     flight together: decode batches mix policies, and CI pays for 220 steps, not 8 x 220."""
     prompt = tokenizer("KV cache eviction policy radix tree")["input_ids"]
     with ThreadPoolExecutor(len(EVICTING)) as pool:
-        futures = {p: pool.submit(_served, snapkv_server, prompt, N_FAITHFUL, kv_evict={"policy": p})
+        futures = {p: pool.submit(serve_request, snapkv_server, prompt, N_FAITHFUL, kv_evict={"policy": p})
                    for p in EVICTING}
         served = {p: f.result() for p, f in futures.items()}
     snapkv_server.wait_idle_checked()
@@ -128,7 +100,7 @@ def _token_usage(log: str) -> list[int]:
 def test_footprint_stays_within_prompt_plus_budget_plus_window(snapkv_server, tokenizer):
     prompt = tokenizer("0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20")["input_ids"]
     before = len(_token_usage(snapkv_server.output()))
-    tokens, _, meta = _served(snapkv_server, prompt, 300)
+    tokens, _, meta = serve_request(snapkv_server, prompt, 300)
     usage = _token_usage(snapkv_server.output())[before:]
     assert len(tokens) == 300, "generation must reach max_new_tokens well past the budget"
     assert meta["kv_evicted_tokens"] > 200
@@ -140,13 +112,13 @@ def test_concurrent_requests_share_the_prefix_untouched(snapkv_server, tokenizer
     common = "KV cache eviction policy radix tree prefix sharing memory pool token " * 4
     suffixes = [" The quick brown fox", " Hello world!", " 0 1 2 3", " Paris is the capital"]
     prompts = [tokenizer(common + s)["input_ids"] for s in suffixes]
-    alone = [_served(snapkv_server, p, 120)[0] for p in prompts]
+    alone = [serve_request(snapkv_server, p, 120)[0] for p in prompts]
 
     before = len(_token_usage(snapkv_server.output()))
     results = [None] * len(prompts)
 
     def run(i):
-        results[i] = _served(snapkv_server, prompts[i], 120)
+        results[i] = serve_request(snapkv_server, prompts[i], 120)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -166,7 +138,7 @@ def test_concurrent_requests_share_the_prefix_untouched(snapkv_server, tokenizer
     assert usage and max(usage) <= bound
     # The shared prefix slots were not rewritten: served from the cache once more, every
     # prompt still gives its original output.
-    again = [_served(snapkv_server, p, 120) for p in prompts]
+    again = [serve_request(snapkv_server, p, 120) for p in prompts]
     for i, (tokens, _, meta) in enumerate(again):
         assert meta["cached_tokens"] >= len(prompts[i]) - 1
         assert tokens == alone[i]
@@ -179,7 +151,7 @@ def test_finishing_at_an_eviction_boundary(snapkv_server, tokenizer, extra):
     # i.e. when the output holds TRIGGER + 1 tokens; later ones every WINDOW tokens.
     prompt = tokenizer("Hello world!")["input_ids"]
     n = TRIGGER + 1 + extra
-    tokens, logprobs, meta = _served(snapkv_server, prompt, n)
+    tokens, logprobs, meta = serve_request(snapkv_server, prompt, n)
     assert len(tokens) == n
     rounds = 0 if n <= TRIGGER + 1 else 1 + (n - TRIGGER - 2) // WINDOW
     assert meta["kv_evicted_tokens"] == rounds * WINDOW
@@ -187,14 +159,14 @@ def test_finishing_at_an_eviction_boundary(snapkv_server, tokenizer, extra):
 
 
 def test_max_new_tokens_below_budget_evicts_nothing(snapkv_server, tokenizer):
-    tokens, _, meta = _served(snapkv_server, tokenizer("Hello")["input_ids"], BUDGET - 4)
+    tokens, _, meta = serve_request(snapkv_server, tokenizer("Hello")["input_ids"], BUDGET - 4)
     assert len(tokens) == BUDGET - 4 and meta["kv_evicted_tokens"] == 0
 
 
 def test_prompt_longer_than_budget_is_protected_with_radix_on(snapkv_server, tokenizer):
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]
     assert len(prompt) > 2 * TRIGGER
-    tokens, _, meta = _served(snapkv_server, prompt, 100)
+    tokens, _, meta = serve_request(snapkv_server, prompt, 100)
     assert len(tokens) == 100
     # Only decode tokens are private: (100 - 1 - TRIGGER) // WINDOW + 1 rounds of WINDOW.
     assert meta["kv_evicted_tokens"] == ((100 - 2 - TRIGGER) // WINDOW + 1) * WINDOW
@@ -202,7 +174,7 @@ def test_prompt_longer_than_budget_is_protected_with_radix_on(snapkv_server, tok
 
 def test_abort_mid_generation_frees_everything(snapkv_server, tokenizer):
     prompt = tokenizer("KV cache eviction")["input_ids"]
-    before = _served(snapkv_server, prompt, 60)[0]
+    before = serve_request(snapkv_server, prompt, 60)[0]
     payload = {"input_ids": prompt, "stream": True, "rid": "abort-me",
                "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
     req = urllib.request.Request(snapkv_server.url + "/generate", data=json.dumps(payload).encode(),
@@ -219,12 +191,12 @@ def test_abort_mid_generation_frees_everything(snapkv_server, tokenizer):
     assert seen > TRIGGER
     snapkv_server.wait_idle_checked()
     # Still serving, with the same output as before the abort (its first 60 tokens).
-    assert _served(snapkv_server, prompt, 60)[0] == before
+    assert serve_request(snapkv_server, prompt, 60)[0] == before
 
 
 def test_many_requests_evicting_in_the_same_step(snapkv_server, tokenizer):
     prompts = [tokenizer(f"Number {i}: 0 1 2 3")["input_ids"] for i in range(8)]
-    alone = [_served(snapkv_server, p, 90)[0] for p in prompts]
+    alone = [serve_request(snapkv_server, p, 90)[0] for p in prompts]
     out = snapkv_server.post("/generate", {
         "input_ids": prompts,
         "sampling_params": {"max_new_tokens": 90, "temperature": 0, "ignore_eos": True}})
@@ -241,7 +213,7 @@ def test_radix_off_evicts_the_prompt_too(radix_off_server, hf_model, tokenizer):
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]
     before = len(server.output())
     kv_evict = {"policy": "streaming", "budget": BUDGET, "window": WINDOW, "seed": 5}
-    tokens, logprobs, meta = _served(server, prompt, 60, kv_evict=kv_evict)
+    tokens, logprobs, meta = serve_request(server, prompt, 60, kv_evict=kv_evict)
     usage = _token_usage(server.output()[before:])
     server.wait_idle_checked()
     assert len(tokens) == 60
@@ -340,6 +312,6 @@ def test_retracted_compacted_request_returns_to_its_capped_footprint(retracting_
     usage = _decode_usage_outside_reprefills(log)
     bound = sum(len(p) + TRIGGER + 2 for p in prompts)  # +2: the next token, one in flight
     assert len(usage) > n // 2 and max(usage) <= bound, (bound, usage)
-    alone = [_served(retracting_server, p, n)[0] for p in prompts[1:]]
+    alone = [serve_request(retracting_server, p, n)[0] for p in prompts[1:]]
     assert [o["output_ids"] for o in out[1:]] == alone
     retracting_server.wait_idle_checked()

@@ -19,11 +19,8 @@ format, differ by 0.15 to 4.2.
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-
-from servers import Server
-from vase_sglang import POLICY_NAMES, EvictionConfig
-from vase_sglang.serving.hf_reference import ReferenceDecoder
+from servers import Server, max_logprob_diff, reference, serve_request
+from vase_sglang import POLICY_NAMES
 
 torch.set_num_threads(1)
 
@@ -45,46 +42,16 @@ def _args(kv_dtype, policy=None, budget=BUDGET, window=WINDOW, *extra):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_fp32):
-    return AutoTokenizer.from_pretrained(tiny_model_fp32)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_fp32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def e4m3_server(tiny_model_fp32):
     """snapkv records the window queries, so every policy can be asked for per request."""
     with Server(tiny_model_fp32, _args("fp8_e4m3", "snapkv")) as server:
         yield server
 
 
-def _served(server, prompt_ids, n, kv_evict=None):
-    sampling = {"ignore_eos": True, "sampling_seed": 77}
-    if kv_evict is not None:
-        sampling["custom_params"] = {"kv_evict": kv_evict}
-    out = server.generate(input_ids=prompt_ids, max_new_tokens=n, return_logprob=True,
-                          sampling_params=sampling)
-    return (out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]],
-            out["meta_info"])
-
-
 def _reference(model, policy, prompt_ids, forced, kv_dtype, budget=BUDGET, window=WINDOW,
                **kwargs):
-    cfg = EvictionConfig(policy=policy, budget=budget, window=window, seed=5)
-    return ReferenceDecoder(model, cfg, kv_dtype=kv_dtype, **kwargs).run(
-        prompt_ids, forced_ids=forced, request_key=77)
-
-
-def _max_diff(a, b):
-    assert len(a) == len(b)
-    diff = max(abs(x - y) for x, y in zip(a, b))
-    print(f"max logprob diff {diff:.3g}")
-    return diff
+    return reference(model, policy, prompt_ids, forced, budget=budget, window=window,
+                     kv_dtype=kv_dtype, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +61,7 @@ def served_per_policy(e4m3_server, tokenizer):
 
     prompt = tokenizer("KV cache eviction policy radix tree")["input_ids"]
     with ThreadPoolExecutor(len(EVICTING)) as pool:
-        futures = {p: pool.submit(_served, e4m3_server, prompt, N, {"policy": p})
+        futures = {p: pool.submit(serve_request, e4m3_server, prompt, N, kv_evict={"policy": p})
                    for p in EVICTING}
         served = {p: f.result() for p, f in futures.items()}
     e4m3_server.wait_idle_checked()  # strict memory checks: no slot leaked or freed twice
@@ -109,10 +76,10 @@ def test_e4m3_served_equals_the_reference_rounding_kv_the_same_way(served_per_po
     assert len(tokens) == N
     ref = _reference(hf_model, policy, prompt, tokens, E4M3)
     assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"] > 0
-    assert _max_diff(logprobs, ref["logprobs"]) < TOL_FP8
+    assert max_logprob_diff(logprobs, ref["logprobs"]) < TOL_FP8
     # Negative controls: the comparison sees the cache's format.
     for other in (None, E5M2):
-        assert _max_diff(logprobs, _reference(hf_model, policy, prompt, tokens,
+        assert max_logprob_diff(logprobs, _reference(hf_model, policy, prompt, tokens,
                                               other)["logprobs"]) > 5 * TOL_FP8, other
 
 
@@ -155,13 +122,13 @@ def test_e5m2_with_pages_of_16_equals_the_paged_reference(tiny_model_fp32, hf_mo
                tokenizer("The quick brown fox jumps over the lazy dog, twice")["input_ids"]]
     args = _args("fp8_e5m2", "vase-attnv", PAGED_BUDGET, PAGED_WINDOW, "--page-size", str(PAGE))
     with Server(tiny_model_fp32, args) as server:
-        served = [_served(server, p, 200) for p in prompts]
+        served = [serve_request(server, p, 200) for p in prompts]
         server.wait_idle_checked()
     for prompt, (tokens, logprobs, meta) in zip(prompts, served):
         ref = _reference(hf_model, "vase-attnv", prompt, tokens, E5M2, PAGED_BUDGET,
                          PAGED_WINDOW, page_size=PAGE)
         assert ref["rounds"] >= 3 and meta["kv_evicted_tokens"] == ref["evicted"] > 0
-        assert _max_diff(logprobs, ref["logprobs"]) < TOL_FP8
+        assert max_logprob_diff(logprobs, ref["logprobs"]) < TOL_FP8
         other = _reference(hf_model, "vase-attnv", prompt, tokens, E4M3, PAGED_BUDGET,
                            PAGED_WINDOW, page_size=PAGE)
-        assert _max_diff(logprobs, other["logprobs"]) > 5 * TOL_FP8
+        assert max_logprob_diff(logprobs, other["logprobs"]) > 5 * TOL_FP8

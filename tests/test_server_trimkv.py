@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from servers import PAGE, PAGED, trimkv_gates
 from vase_sglang import EvictionConfig
@@ -36,11 +36,6 @@ def gates_file(trimkv_gates_file):
 @pytest.fixture(scope="module")
 def trimkv_server(paged_server):
     return paged_server
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_fp32):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32).eval()
 
 
 def _served(server, prompt_ids, n, kv_evict):
