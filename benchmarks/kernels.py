@@ -88,6 +88,9 @@ MODELS = {
     "qwen3-4b": (36, 32, 8, 128),
     "qwen3-8b": (36, 32, 8, 128),
     "llama3-8b": (32, 32, 8, 128),
+    # the real models served here (docs/real_model.md)
+    "qwen2.5-0.5b": (24, 14, 2, 64),
+    "smollm2-135m": (30, 9, 3, 64),
 }
 DEFAULT_BUDGETS = (1024, 2048, 4096)
 DEFAULT_REQUESTS = (1, 4, 16, 64)
@@ -103,6 +106,28 @@ def _csv_ints(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _window(text: str) -> str:
+    """R as a number of tokens ("64") or a fraction of the budget ("T/4", the serving
+    default's ratio)."""
+    text = text.strip()
+    try:
+        if text.upper().startswith("T/"):
+            if int(text[2:]) >= 1:
+                return text.upper()
+        elif int(text) >= 1:
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected a positive integer or T/k, got {text!r}")
+
+
+def window_for(spec: str, budget: int) -> int:
+    """The window R of budget T under --window spec ("64" or "T/4"; at least 1 token)."""
+    if spec.startswith("T/"):
+        return max(1, budget // int(spec[2:]))
+    return int(spec)
 
 
 def _csv(text: str) -> list[str]:
@@ -129,7 +154,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"requests B evicted together (default "
                         f"{','.join(map(str, DEFAULT_REQUESTS))}; --quick: "
                         f"{','.join(map(str, QUICK_REQUESTS))})")
-    g.add_argument("--window", type=int, default=64, help="window R (default 64)")
+    g.add_argument("--window", type=_window, default="64",
+                   help="window R: tokens, or T/k for a fraction of each budget (default 64; "
+                        "the accuracy study's settings are T/4)")
     g.add_argument("--sinks", type=int, default=4, help="sink tokens (default 4)")
     g.add_argument("--model", choices=sorted(MODELS), default="qwen3-4b",
                    help="shape preset: layers, heads, head_dim (default qwen3-4b: 36 layers, "
@@ -177,8 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.check_only:
         args.check = True
-    if args.window < 1 or args.sinks < 0:
-        p.error("--window must be >= 1 and --sinks >= 0")
+    if args.sinks < 0:
+        p.error("--sinks must be >= 0")
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be >= 1")
     if args.check_layers is not None and args.check_layers < 1:
@@ -700,7 +727,7 @@ class Context:
     device: torch.device
     shape: Shape
     dtype: torch.dtype
-    window: int
+    window: str  # --window: tokens or T/k (window_for)
     seed: int
     policies: list
     backends: list
@@ -714,7 +741,7 @@ class Context:
     needs_ring: bool
 
     def server(self, shape: Shape, b: int, t: int, with_ring: bool | None = None) -> FakeServer:
-        return FakeServer(shape, b, t, self.window, self.dtype, self.device, self.seed,
+        return FakeServer(shape, b, t, window_for(self.window, t), self.dtype, self.device, self.seed,
                           self.needs_ring if with_ring is None else with_ring,
                           self.runtime_module)
 
@@ -762,8 +789,8 @@ def run_benchmark(ctx: Context, progress: bool) -> list[dict]:
         total = len(ctx.budgets) * len(ctx.requests) * len(ctx.policies) * len(ctx.backends)
         bar = tqdm(total=total, desc="configs", unit="run", file=sys.stderr)
     cuda = ctx.device.type == "cuda"
-    window = ctx.window
     for t in ctx.budgets:
+        window = window_for(ctx.window, t)
         for b in ctx.requests:
             plan = [(policy, backend, estimate_bytes(ctx.shape, policy, POLICIES[policy],
                                                      ctx.cfgs[policy, t], b, t, window, backend,
@@ -891,7 +918,8 @@ def _main(argv=None) -> int:
         for budget in budgets:
             try:
                 cfgs[policy, budget] = EvictionConfig(policy=policy, budget=budget,
-                                                      window=args.window, sinks=args.sinks,
+                                                      window=window_for(args.window, budget),
+                                                      sinks=args.sinks,
                                                       seed=args.seed)
             except ValueError as exc:
                 print(f"error: {exc}", file=sys.stderr)

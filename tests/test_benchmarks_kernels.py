@@ -100,3 +100,34 @@ def test_no_fallback_when_the_step_cannot_be_imported(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode != 0 and "vase_sglang_patches.runtime" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "k.json").exists()
+
+
+def test_real_model_preset_and_a_window_that_follows_the_budget(tmp_path):
+    """--model qwen2.5-0.5b sizes the pool as the served real model (24 layers, 14 / 2 heads,
+    head_dim 64) and --window T/4 gives each budget its own window (R = T/4, kept T - R)."""
+    out = tmp_path / "r.json"
+    _run("--model", "qwen2.5-0.5b", "--window", "T/4", "--budgets", "64,128", "--requests", "1",
+         "--layers", "2", "--dtype", "float32", "--warmup", "0", "--repeats", "1",
+         "--no-plot", "--no-progress", "--out", str(out))
+    report = json.loads(out.read_text())
+    settings = report["settings"]
+    assert (settings["q_heads"], settings["kv_heads"], settings["head_dim"]) == (14, 2, 64)
+    assert settings["window"] == "T/4"
+    rows = {r["budget"]: r for r in report["rows"]}
+    assert {t: (r["window"], r["kept"]) for t, r in rows.items()} == {64: (16, 48), 128: (32, 96)}
+    for t, r in rows.items():
+        assert r["status"] == "ok", r
+        # compaction moves K and V of the kept tokens, read and written, in fp32
+        assert r["bytes"]["compaction_read_write"] == 2 * 2 * 2 * 2 * (t - t // 4) * 64 * 4
+
+
+def test_window_spec_is_checked():
+    sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed
+    from benchmarks import kernels as module
+
+    assert module.window_for("T/4", 192) == 48 and module.window_for("16", 192) == 16
+    assert module.window_for("T/8", 4) == 1
+    for bad in ("0", "T/0", "T/x", "quarter", "-3"):
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--window", bad, "--check-only"],
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "--window" in proc.stderr, (bad, proc.stderr)
