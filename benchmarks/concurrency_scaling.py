@@ -24,9 +24,19 @@ ratio between arms is bold only where their ranges do not overlap, a target (run
 (no decode line, no eviction step in /metrics, counts that disagree) stops the benchmark.
 Writes JSON, a Markdown table and a PNG.
 
+KV dtypes (--kv-dtypes auto fp8_e4m3): the arms of --kv-dtype-arms run again with
+--kv-cache-dtype fp8_e4m3, named "... fp8_e4m3", at the same pool *bytes*: the pool in tokens is
+N times the bytes per element of the served K/V (--dtype) over those of the cached dtype (fp32 to
+fp8: 4 N; bf16 to fp8 on a GPU: 2 N); the summary compares them with the default-dtype arms.
+
+Every run's record is appended to runs.jsonl in --out as soon as it completes; a later call with
+the same settings reuses those records and only runs what is missing (--fresh discards them), so
+a run cut short loses at most the run in progress.
+
     python benchmarks/concurrency_scaling.py            # tiny local model, CPU: ~10 minutes
     python benchmarks/concurrency_scaling.py --model-path DIR --concurrency 8 16 32 ...
     python benchmarks/concurrency_scaling.py --arms vase --page-size 1 16   # pages vs tokens
+    python benchmarks/concurrency_scaling.py --kv-dtypes auto fp8_e4m3      # 8-bit KV, same bytes
 """
 
 from __future__ import annotations
@@ -203,7 +213,8 @@ CLIENT_KEYS = ["duration", "completed", "total_output_tokens", "output_throughpu
                "max_concurrent_requests"]
 
 
-def measure_run(server: BenchServer, args, c: int, evicting: bool, page_size: int = 1) -> dict:
+def measure_run(server: BenchServer, args, c: int, evicting: bool, page_size: int = 1,
+                pool: int | None = None) -> dict:
     """One client run against a running server: the client's figures plus what the server
     logged and exported during it."""
     server.flush_cache()  # same prompts every run: no prefix hits from the last one
@@ -219,8 +230,8 @@ def measure_run(server: BenchServer, args, c: int, evicting: bool, page_size: in
         **{k: result.get(k) for k in CLIENT_KEYS}, **decode_stats(text),
         "prompt_tokens_mean": sum(prompts) / len(prompts),
         "prompt_tokens_min": min(prompts), "prompt_tokens_max": max(prompts),
-        "bound": concurrency_bound(args.max_total_tokens, prompts, args.budget, args.window,
-                                   page_size),
+        "bound": concurrency_bound(pool or args.max_total_tokens, prompts, args.budget,
+                                   args.window, page_size),
         "retracted_requests": retracted_requests(text, before, after),
         "eviction_seconds": evict_s,
         "eviction_time_share": None if evict_s is None else evict_s / result["duration"],
@@ -228,11 +239,21 @@ def measure_run(server: BenchServer, args, c: int, evicting: bool, page_size: in
 
 
 def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
-            page_size: int = 1) -> list[dict]:
-    """--repeats client runs per concurrency on one server of this arm."""
+            page_size: int = 1, done: dict | None = None,
+            record=None) -> list[dict]:
+    """--repeats client runs per concurrency on one server of this arm. `done` holds the
+    records of earlier calls by (arm, concurrency, repeat): those runs are not repeated (and
+    the server is not started when none is missing); `record(row)` is called after each run."""
+    done = done or {}
+    wanted = [(c, rep) for c in args.concurrency for rep in range(args.repeats)]
+    if all((name, c, rep) in done for c, rep in wanted):
+        print(f"  {name}: all {len(wanted)} runs reused from {RECORDS}", flush=True)
+        return [done[name, c, rep] for c, rep in wanted]
     log = out_dir / f"server-{name.replace('@', '_at_').replace(' ', '_')}.log"
     if page_size != 1:
         server_args = [*server_args, "--page-size", str(page_size)]
+    if args.dtype != "auto":
+        server_args = [*server_args, "--dtype", args.dtype]
     log.unlink(missing_ok=True)
     server = BenchServer(args.model_path,
                          ["--decode-log-interval", "1", "--enable-metrics", *server_args],
@@ -244,17 +265,21 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
     workers = int(server_args[server_args.index("--dp-size") + 1]) if "--dp-size" in server_args else 1
     rows = []
     try:
-        for c in args.concurrency:
-            for rep in range(args.repeats):
-                row = {"arm": name, "pool": pool * workers, "page_size": page_size,
-                       "concurrency": c, "repeat": rep,
-                       **measure_run(server, args, c, evicting, page_size)}
-                rows.append(row)
-                share = row["eviction_time_share"]
-                print(f"  {name} c={c} run {rep + 1}/{args.repeats}: "
-                      f"{row['output_throughput']:.0f} tok/s, running peak {row['peak_running']} "
-                      f"mean {row['mean_running']:.1f}, bound {row['bound']:.1f}, eviction "
-                      + ("-" if share is None else f"{100 * share:.2f} %"), flush=True)
+        for c, rep in wanted:
+            if (name, c, rep) in done:
+                rows.append(done[name, c, rep])
+                continue
+            row = {"arm": name, "pool": pool * workers, "page_size": page_size,
+                   "concurrency": c, "repeat": rep,
+                   **measure_run(server, args, c, evicting, page_size, pool * workers)}
+            rows.append(row)
+            if record is not None:
+                record(row)
+            share = row["eviction_time_share"]
+            print(f"  {name} c={c} run {rep + 1}/{args.repeats}: "
+                  f"{row['output_throughput']:.0f} tok/s, running peak {row['peak_running']} "
+                  f"mean {row['mean_running']:.1f}, bound {row['bound']:.1f}, eviction "
+                  + ("-" if share is None else f"{100 * share:.2f} %"), flush=True)
     finally:
         server.stop()
     return rows
@@ -304,13 +329,77 @@ def against(values: list[float], target: float, higher_is_better: bool) -> dict:
     return s
 
 
+# Bytes per cached K/V element: the pool at another KV dtype holds the same bytes as N slots of
+# the served dtype (equal_bytes_pool).
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp8_e4m3": 1,
+                 "fp8_e5m2": 1}
+KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+
+
+def served_element_bytes(model_path: str, dtype: str) -> int:
+    """Bytes per K/V element of the model served with --dtype (auto: its config's dtype)."""
+    if dtype == "auto":
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    if dtype not in ELEMENT_BYTES:
+        raise ValueError(f"cannot size a pool for dtype {dtype!r}")
+    return ELEMENT_BYTES[dtype]
+
+
+def equal_bytes_pool(n: int, served_bytes: int, kv_dtype: str) -> int:
+    """Slots of --kv-cache-dtype kv_dtype in the bytes of n slots of the served dtype."""
+    if kv_dtype == "auto":
+        return n
+    return n * served_bytes // ELEMENT_BYTES[kv_dtype]
+
+
+def kv_suffix(kv_dtype: str) -> str:
+    return "" if kv_dtype == "auto" else f" {kv_dtype}"
+
+
+# Every completed run is appended here (one JSON object per line: the run's settings and row).
+RECORDS = "runs.jsonl"
+# Options that choose which runs to make, not what a run measures: records made under other
+# values of these are still valid.
+SELECTION = ("out", "quiet_client", "fresh", "repeats", "concurrency", "arms", "policies",
+             "page_size", "kv_dtypes", "kv_dtype_arms")
+
+
+def run_settings(args) -> dict:
+    """The settings a run's record must match to be reused (JSON-normalised)."""
+    return json.loads(json.dumps({k: v for k, v in vars(args).items() if k not in SELECTION},
+                                 default=str, sort_keys=True))
+
+
+def load_records(path: Path, settings: dict) -> tuple[dict, int]:
+    """Earlier runs made with these settings, by (arm, concurrency, repeat), and the number of
+    records left aside (other settings, or a line cut short by a crash)."""
+    done, other = {}, 0
+    if not path.exists():
+        return done, other
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+            row = rec["row"]
+            key = (row["arm"], row["concurrency"], row["repeat"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            other += 1
+            continue
+        if rec.get("settings") == settings:
+            done[key] = row
+        else:
+            other += 1
+    return done, other
+
+
 def page_suffix(page_size: int) -> str:
     """Arm names at page size 1 are as before; other page sizes are named apart."""
     return "" if page_size == 1 else f" p{page_size}"
 
 
-def summarize(rows: list[dict], policies: list[str], page_sizes=(1,)) -> dict:
-    """The issue's criteria, per policy and page size, at the highest concurrency run."""
+def summarize(rows: list[dict], policies: list[str], page_sizes=(1,), kv_dtypes=("auto",)) -> dict:
+    """The issue's criteria, per policy and page size, at the highest concurrency run; arms at
+    another KV dtype also against the default dtype's arms (same pool bytes)."""
     c = max(r["concurrency"] for r in rows)
     runs: dict[str, list[dict]] = {}
     for r in rows:
@@ -321,8 +410,9 @@ def summarize(rows: list[dict], policies: list[str], page_sizes=(1,)) -> dict:
         return [r[key] for r in runs[arm]]
 
     out = {"concurrency": c}
-    for p, page in ((p, page) for page in page_sizes for p in policies):
-        sfx = page_suffix(page)
+    for p, page, kv in ((p, page, kv) for page in page_sizes for kv in kv_dtypes
+                        for p in policies):
+        sfx = page_suffix(page) + kv_suffix(kv)
         arm = f"{p}@N{sfx}"
         if arm not in runs:
             continue
@@ -341,6 +431,23 @@ def summarize(rows: list[dict], policies: list[str], page_sizes=(1,)) -> dict:
                 s[f"mean_running_over_{base}"] = ratio(
                     col(arm, "mean_running"), col(ref, "mean_running"))
         out[p + sfx] = s
+    for page in page_sizes:
+        base = page_suffix(page)
+        for kv in kv_dtypes:
+            if kv == "auto":
+                continue
+            for p in ("full", *policies):
+                arm = f"{p}@N{base}{kv_suffix(kv)}"
+                if arm not in runs:
+                    continue
+                vs = {}
+                for ref in dict.fromkeys((f"full@N{base}", f"{p}@N{base}")):
+                    if ref in runs:
+                        vs[ref] = {"throughput": ratio(col(arm, "output_throughput"),
+                                                       col(ref, "output_throughput")),
+                                   "mean_running": ratio(col(arm, "mean_running"),
+                                                         col(ref, "mean_running"))}
+                out.setdefault(p + base + kv_suffix(kv), {})["vs_default_kv"] = vs
     return out
 
 
@@ -413,14 +520,22 @@ def markdown_summary(summary: dict) -> str:
     for p, s in summary.items():
         if not isinstance(s, dict):
             continue
-        lines.append(f"- {p}: peak running / bound {target_text(s['peak_running_over_bound'])}, "
-                     f"mean running / bound {target_text(s['mean_running_over_bound'])} "
-                     f"(target ≥ 0.95), eviction time {target_text(s['eviction_time_share'], True)} "
-                     f"(target ≤ 3 %), retracted requests {s['retracted_requests']['max']:.0f} at most")
+        if "peak_running_over_bound" not in s:  # a stock arm at another KV dtype
+            lines.append(f"- {p}:")
+        else:
+            lines.append(
+                f"- {p}: peak running / bound {target_text(s['peak_running_over_bound'])}, "
+                f"mean running / bound {target_text(s['mean_running_over_bound'])} "
+                f"(target ≥ 0.95), eviction time {target_text(s['eviction_time_share'], True)} "
+                f"(target ≤ 3 %), retracted requests {s['retracted_requests']['max']:.0f} at most")
         for ref in ("full", "ceiling"):
             if f"throughput_over_{ref}" in s:
                 lines.append(f"  - vs {ref}: output tok/s {ratio_text(s[f'throughput_over_{ref}'])}, "
                              f"mean running {ratio_text(s[f'mean_running_over_{ref}'])}")
+        for ref, r in s.get("vs_default_kv", {}).items():
+            lines.append(f"  - vs {ref} (same pool bytes): output tok/s "
+                         f"{ratio_text(r['throughput'])}, mean running "
+                         f"{ratio_text(r['mean_running'])}")
     return "\n".join(lines)
 
 
@@ -446,10 +561,25 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, nargs="+", default=[1],
                     help="KV page sizes: every arm runs at each (arms at page size ps > 1 are "
                     "named '... pPS'; their bound counts whole pages)")
+    ap.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=KV_DTYPES,
+                    help="KV cache dtypes (--kv-cache-dtype): the arms of --kv-dtype-arms run at "
+                    "each, at the same pool bytes as N slots of the served dtype (default: auto)")
+    ap.add_argument("--kv-dtype-arms", nargs="+", default=["full", "vase"],
+                    choices=["full", "vase", "vase-dp2"],
+                    help="arms that run at the other --kv-dtypes (default: full vase)")
+    ap.add_argument("--dtype", default=None,
+                    choices=["auto", "float32", "bfloat16", "float16"],
+                    help="the model's --dtype (default: float32 on CPU, which has no native "
+                    "bf16 here; auto on CUDA)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "results" / "concurrency"))
     ap.add_argument("--quiet-client", action="store_true", help="hide the client's progress bar")
+    ap.add_argument("--fresh", action="store_true",
+                    help=f"discard the records of earlier runs in --out ({RECORDS}) instead of "
+                    "reusing those made with the same settings")
     args = ap.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "auto" if on_cuda() else "float32"
     if args.model_path is None:
         from vase_sglang.serving.tiny_model import build_tiny_qwen3
 
@@ -470,6 +600,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     n = args.max_total_tokens
+    served_bytes = served_element_bytes(args.model_path, args.dtype)
     # the server's prompts are longer than --input-len (re-tokenized text): 2x slack
     ceiling_pool = int(args.num_prompts * (2 * args.input_len + args.output_len) * 1.05) + 1024
     # The query ring's rows are sized for the client's nominal prompt length: the server's
@@ -477,23 +608,45 @@ def main(argv=None) -> int:
     ring = ["--kv-evict-expected-prompt-len", str(args.input_len)]
     arms = []
     for page in args.page_size:
-        sfx = page_suffix(page)
-        if "full" in args.arms:
-            arms.append((f"full@N{sfx}", [], n, page))
-        if "vase" in args.arms:
-            for p in args.policies:
-                arms.append((f"{p}@N{sfx}", ["--kv-evict-policy", p, "--kv-evict-budget",
-                                             str(args.budget), "--kv-evict-window",
-                                             str(args.window), *ring], n, page))
-        if "vase-dp2" in args.arms:
-            for p in args.policies:
-                # the pool flag is per worker: N/2 each, N in all
-                arms.append((f"{p}@N-dp2{sfx}", ["--dp-size", "2", "--kv-evict-policy", p,
-                                                  "--kv-evict-budget", str(args.budget),
-                                                  "--kv-evict-window", str(args.window),
-                                                  *ring], n // 2, page))
-        if "ceiling" in args.arms:
-            arms.append((f"ceiling{sfx}", [], ceiling_pool, page))
+        for kv in args.kv_dtypes:
+            sfx = page_suffix(page) + kv_suffix(kv)
+            selected = args.arms if kv == "auto" else [
+                a for a in args.arms if a in args.kv_dtype_arms]
+            kv_args = [] if kv == "auto" else ["--kv-cache-dtype", kv]
+            pool = equal_bytes_pool(n, served_bytes, kv)
+            if "full" in selected:
+                arms.append((f"full@N{sfx}", kv_args, pool, page))
+            if "vase" in selected:
+                for p in args.policies:
+                    arms.append((f"{p}@N{sfx}", [*kv_args, "--kv-evict-policy", p,
+                                                 "--kv-evict-budget", str(args.budget),
+                                                 "--kv-evict-window", str(args.window), *ring],
+                                 pool, page))
+            if "vase-dp2" in selected:
+                for p in args.policies:
+                    # the pool flag is per worker: half each
+                    arms.append((f"{p}@N-dp2{sfx}", [*kv_args, "--dp-size", "2",
+                                                      "--kv-evict-policy", p,
+                                                      "--kv-evict-budget", str(args.budget),
+                                                      "--kv-evict-window", str(args.window),
+                                                      *ring], pool // 2, page))
+            if "ceiling" in selected:
+                arms.append((f"ceiling{sfx}", kv_args, ceiling_pool, page))
+
+    records = out_dir / RECORDS
+    if args.fresh:
+        records.unlink(missing_ok=True)
+    settings = run_settings(args)
+    done, other = load_records(records, settings)
+    if done:
+        print(f"reusing {len(done)} runs recorded in {records} with these settings "
+              "(--fresh to discard them)", flush=True)
+    if other:
+        print(f"leaving aside {other} records in {records} made with other settings", flush=True)
+
+    def record(row):
+        with records.open("a") as f:
+            f.write(json.dumps({"settings": settings, "row": row}) + "\n")
 
     from tqdm import tqdm
 
@@ -501,7 +654,7 @@ def main(argv=None) -> int:
     started = time.time()
     for name, server_args, pool, page in tqdm(arms, desc="arms", unit="arm", file=sys.stdout):
         print(f"\n== {name} (pool {pool}, page size {page})", flush=True)
-        rows += run_arm(name, server_args, pool, args, out_dir, page)
+        rows += run_arm(name, server_args, pool, args, out_dir, page, done, record)
     agg = aggregate(rows)
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -510,7 +663,7 @@ def main(argv=None) -> int:
         "wall_seconds": time.time() - started,
         "rows": rows,
         "aggregate": agg,
-        "summary": summarize(rows, args.policies, args.page_size),
+        "summary": summarize(rows, args.policies, args.page_size, args.kv_dtypes),
     }
     (out_dir / "concurrency_scaling.json").write_text(json.dumps(result, indent=2))
     plot(agg, out_dir / "concurrency_scaling.png")

@@ -189,3 +189,70 @@ def test_concurrency_scaling_small_run(tiny_model, tmp_path):
             assert r["eviction_seconds"] is None
         if r["arm"] == "vase-attnv@N":
             assert r["peak_running"] == 8 and r["eviction_seconds"] > 0
+
+
+def test_pools_at_another_kv_dtype_hold_the_same_bytes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert cs.served_element_bytes(str(tmp_path), "auto") == 2
+    assert cs.served_element_bytes(str(tmp_path), "float32") == 4
+    assert cs.equal_bytes_pool(2048, 4, "fp8_e4m3") == 8192  # fp32 served here, fp8 cached
+    assert cs.equal_bytes_pool(2048, 2, "fp8_e5m2") == 4096  # bf16 on a GPU
+    assert cs.equal_bytes_pool(2048, 2, "auto") == 2048
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "int8"}))
+    with pytest.raises(ValueError, match="int8"):
+        cs.served_element_bytes(str(tmp_path), "auto")
+
+
+def test_kv_dtype_arms_are_compared_with_the_default_dtype_at_the_same_bytes():
+    rows = ([_row("full@N", 100, 3, 3.0), _row("vase-attnv@N", 200, 8, 8.0, 0.01),
+             _row("full@N fp8_e4m3", 150, 12, 11.0), _row("vase-attnv@N fp8_e4m3", 260, 16, 15.0, 0.02)])
+    summary = cs.summarize(rows, ["vase-attnv"], [1], ["auto", "fp8_e4m3"])
+    fp8 = summary["vase-attnv fp8_e4m3"]
+    assert fp8["throughput_over_full"]["median"] == 260 / 150  # its own dtype's stock arm
+    assert fp8["vs_default_kv"]["vase-attnv@N"]["throughput"]["median"] == 260 / 200
+    assert fp8["vs_default_kv"]["full@N"]["mean_running"]["median"] == 15.0 / 3.0
+    assert list(summary["full fp8_e4m3"]["vs_default_kv"]) == ["full@N"]
+    text = cs.markdown_summary(summary)
+    assert "- full fp8_e4m3:\n  - vs full@N (same pool bytes): output tok/s **1.50 ×" in text
+    assert "vs vase-attnv@N (same pool bytes): output tok/s **1.30 ×" in text
+
+
+def _args(**kw):
+    import argparse
+
+    base = dict(model_path="/m", max_total_tokens=2048, input_len=64, output_len=512,
+                num_prompts=16, concurrency=[16], repeats=2, policies=["vase-attnv"],
+                budget=128, window=32, arms=["full", "vase"], page_size=[1], seed=1,
+                out="/tmp/x", quiet_client=True, kv_dtypes=["auto"], kv_dtype_arms=["full"],
+                dtype="float32", fresh=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_records_are_reused_only_under_the_same_settings(tmp_path):
+    path = tmp_path / cs.RECORDS
+    settings = cs.run_settings(_args())
+    # choosing other runs (repeats, concurrency, arms, output folder) keeps the records valid
+    assert cs.run_settings(_args(repeats=5, concurrency=[8, 16], out="/y", fresh=True)) == settings
+    assert cs.run_settings(_args(budget=64)) != settings
+    assert cs.run_settings(_args(dtype="bfloat16")) != settings
+    row = _row("full@N", 100, 3, 3.0) | {"repeat": 0}
+    lines = [json.dumps({"settings": settings, "row": row}),
+             json.dumps({"settings": cs.run_settings(_args(budget=64)), "row": row | {"repeat": 1}}),
+             '{"settings": {"model_path": "/m", "max_tot']  # cut short by a crash
+    path.write_text("\n".join(lines))
+    done, other = cs.load_records(path, settings)
+    assert list(done) == [("full@N", 24, 0)] and done["full@N", 24, 0] == row and other == 2
+
+
+def test_an_arm_whose_runs_are_all_recorded_starts_no_server(tmp_path, monkeypatch):
+    def no_server(*a, **k):
+        raise AssertionError("a server was started for runs already recorded")
+
+    monkeypatch.setattr(cs, "BenchServer", no_server)
+    args = _args(concurrency=[16], repeats=2)
+    done = {("full@N", 16, r): {"arm": "full@N", "repeat": r} for r in range(2)}
+    assert cs.run_arm("full@N", [], 2048, args, tmp_path, done=done) == [done["full@N", 16, 0],
+                                                                        done["full@N", 16, 1]]
+    with pytest.raises(AssertionError, match="a server was started"):  # one run missing
+        cs.run_arm("full@N", [], 2048, args, tmp_path, done={("full@N", 16, 0): {}})
