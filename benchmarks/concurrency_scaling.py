@@ -539,6 +539,44 @@ def markdown_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]:
+    """(name, server flags, pool per worker, page size) of every arm, in run order."""
+    n = args.max_total_tokens
+    # the server's prompts are longer than --input-len (re-tokenized text): 2x slack
+    ceiling_pool = int(args.num_prompts * (2 * args.input_len + args.output_len) * 1.05) + 1024
+    # The query ring's rows are sized for the client's nominal prompt length: the server's
+    # (longer, re-tokenized) prompts then never make the ring cap the running requests.
+    ring = ["--kv-evict-expected-prompt-len", str(args.input_len)]
+    gates = ["--kv-evict-retention-gates", str(args.gates)] if args.gates else []
+    arms = []
+    for page in args.page_size:
+        for kv in args.kv_dtypes:
+            sfx = page_suffix(page) + kv_suffix(kv)
+            selected = args.arms if kv == "auto" else [
+                a for a in args.arms if a in args.kv_dtype_arms]
+            kv_args = [] if kv == "auto" else ["--kv-cache-dtype", kv]
+            pool = equal_bytes_pool(n, served_bytes, kv)
+            if "full" in selected:
+                arms.append((f"full@N{sfx}", kv_args, pool, page))
+            if "vase" in selected:
+                for p in args.policies:
+                    arms.append((f"{p}@N{sfx}", [*kv_args, "--kv-evict-policy", p,
+                                                 "--kv-evict-budget", str(args.budget),
+                                                 "--kv-evict-window", str(args.window), *ring,
+                                                 *gates], pool, page))
+            if "vase-dp2" in selected:
+                for p in args.policies:
+                    # the pool flag is per worker: half each
+                    arms.append((f"{p}@N-dp2{sfx}", [*kv_args, "--dp-size", "2",
+                                                      "--kv-evict-policy", p,
+                                                      "--kv-evict-budget", str(args.budget),
+                                                      "--kv-evict-window", str(args.window),
+                                                      *ring, *gates], pool // 2, page))
+            if "ceiling" in selected:
+                arms.append((f"ceiling{sfx}", kv_args, ceiling_pool, page))
+    return arms
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="model directory (default: the tiny local test model)")
@@ -571,6 +609,9 @@ def main(argv=None) -> int:
                     choices=["auto", "float32", "bfloat16", "float16"],
                     help="the model's --dtype (default: float32 on CPU, which has no native "
                     "bf16 here; auto on CUDA)")
+    ap.add_argument("--gates", help="retention gates file for the evicting arms "
+                    "(--kv-evict-retention-gates; needed by --policies trimkv: "
+                    "python -m vase_sglang.retention train)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "results" / "concurrency"))
     ap.add_argument("--quiet-client", action="store_true", help="hide the client's progress bar")
@@ -578,6 +619,8 @@ def main(argv=None) -> int:
                     help=f"discard the records of earlier runs in --out ({RECORDS}) instead of "
                     "reusing those made with the same settings")
     args = ap.parse_args(argv)
+    if "trimkv" in args.policies and not args.gates:
+        ap.error("--policies trimkv needs --gates FILE (retention gates trained for the model)")
     if args.dtype is None:
         args.dtype = "auto" if on_cuda() else "float32"
     if args.model_path is None:
@@ -599,39 +642,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    n = args.max_total_tokens
-    served_bytes = served_element_bytes(args.model_path, args.dtype)
-    # the server's prompts are longer than --input-len (re-tokenized text): 2x slack
-    ceiling_pool = int(args.num_prompts * (2 * args.input_len + args.output_len) * 1.05) + 1024
-    # The query ring's rows are sized for the client's nominal prompt length: the server's
-    # (longer, re-tokenized) prompts then never make the ring cap the running requests.
-    ring = ["--kv-evict-expected-prompt-len", str(args.input_len)]
-    arms = []
-    for page in args.page_size:
-        for kv in args.kv_dtypes:
-            sfx = page_suffix(page) + kv_suffix(kv)
-            selected = args.arms if kv == "auto" else [
-                a for a in args.arms if a in args.kv_dtype_arms]
-            kv_args = [] if kv == "auto" else ["--kv-cache-dtype", kv]
-            pool = equal_bytes_pool(n, served_bytes, kv)
-            if "full" in selected:
-                arms.append((f"full@N{sfx}", kv_args, pool, page))
-            if "vase" in selected:
-                for p in args.policies:
-                    arms.append((f"{p}@N{sfx}", [*kv_args, "--kv-evict-policy", p,
-                                                 "--kv-evict-budget", str(args.budget),
-                                                 "--kv-evict-window", str(args.window), *ring],
-                                 pool, page))
-            if "vase-dp2" in selected:
-                for p in args.policies:
-                    # the pool flag is per worker: half each
-                    arms.append((f"{p}@N-dp2{sfx}", [*kv_args, "--dp-size", "2",
-                                                      "--kv-evict-policy", p,
-                                                      "--kv-evict-budget", str(args.budget),
-                                                      "--kv-evict-window", str(args.window),
-                                                      *ring], pool // 2, page))
-            if "ceiling" in selected:
-                arms.append((f"ceiling{sfx}", kv_args, ceiling_pool, page))
+    arms = build_arms(args, served_element_bytes(args.model_path, args.dtype))
 
     records = out_dir / RECORDS
     if args.fresh:

@@ -224,7 +224,7 @@ def _args(**kw):
                 num_prompts=16, concurrency=[16], repeats=2, policies=["vase-attnv"],
                 budget=128, window=32, arms=["full", "vase"], page_size=[1], seed=1,
                 out="/tmp/x", quiet_client=True, kv_dtypes=["auto"], kv_dtype_arms=["full"],
-                dtype="float32", fresh=False)
+                dtype="float32", fresh=False, gates=None)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -256,3 +256,25 @@ def test_an_arm_whose_runs_are_all_recorded_starts_no_server(tmp_path, monkeypat
                                                                         done["full@N", 16, 1]]
     with pytest.raises(AssertionError, match="a server was started"):  # one run missing
         cs.run_arm("full@N", [], 2048, args, tmp_path, done={("full@N", 16, 0): {}})
+
+
+def test_arms_at_another_kv_dtype_get_its_flag_and_the_same_bytes():
+    args = _args(arms=["full", "vase", "vase-dp2", "ceiling"], kv_dtypes=["auto", "fp8_e4m3"],
+                 kv_dtype_arms=["full", "vase", "vase-dp2"], page_size=[1, 16],
+                 policies=["vase-attnv", "trimkv"], gates="/g.pt")
+    arms = {name: (flags, pool, page) for name, flags, pool, page in cs.build_arms(args, 4)}
+    assert list(arms)[:7] == ["full@N", "vase-attnv@N", "trimkv@N", "vase-attnv@N-dp2",
+                              "trimkv@N-dp2", "ceiling", "full@N fp8_e4m3"]
+    assert "ceiling fp8_e4m3" not in arms and "ceiling p16" in arms  # not a kv-dtype arm
+    flags, pool, page = arms["vase-attnv@N-dp2 p16 fp8_e4m3"]
+    assert (pool, page) == (2048 * 4 // 2, 16)  # per worker: half of 4 N fp8 slots
+    assert flags[:2] == ["--kv-cache-dtype", "fp8_e4m3"]
+    assert flags[flags.index("--kv-evict-retention-gates") + 1] == "/g.pt"
+    assert arms["full@N"] == ([], 2048, 1) and arms["full@N fp8_e4m3"][1] == 8192
+    assert "--kv-evict-retention-gates" not in arms["full@N fp8_e4m3"][0]
+
+
+def test_trimkv_without_gates_is_refused():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "concurrency_scaling.py"),
+                           "--policies", "trimkv"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--gates" in proc.stderr, proc.stderr
