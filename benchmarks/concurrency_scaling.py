@@ -458,6 +458,24 @@ def plot(agg: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if len({e["concurrency"] for e in agg}) == 1:  # one concurrency: one bar per arm
+        names = list(dict.fromkeys(e["arm"] for e in agg))
+        for ax, key in ((ax1, "output_throughput"), (ax2, "mean_running")):
+            med = [e[key]["median"] for e in agg]
+            err = [[m - e[key]["min"] for m, e in zip(med, agg)],
+                   [e[key]["max"] - m for m, e in zip(med, agg)]]
+            ax.bar(range(len(names)), med, yerr=err, capsize=3,
+                   color=[f"C{i}" for i in range(len(names))])
+            ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
+        c = agg[0]["concurrency"]
+        ax1.set(ylabel="output tokens/s", title=f"throughput at {c} clients (median, range)")
+        ax2.set(ylabel="mean running requests",
+                title=f"concurrency at {c} clients (median, range)")
+        for ax in (ax1, ax2):
+            ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     for arm in dict.fromkeys(e["arm"] for e in agg):
         sel = [e for e in agg if e["arm"] == arm]
         xs = [e["concurrency"] for e in sel]

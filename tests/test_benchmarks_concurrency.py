@@ -278,3 +278,12 @@ def test_trimkv_without_gates_is_refused():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "concurrency_scaling.py"),
                            "--policies", "trimkv"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--gates" in proc.stderr, proc.stderr
+
+
+def test_plots_one_bar_per_arm_at_a_single_concurrency_and_lines_at_several(tmp_path):
+    one = cs.aggregate([_row("full@N", 100, 3, 3.0), _row("vase-attnv@N", 300, 9, 9.0, 0.01)])
+    cs.plot(one, tmp_path / "one.png")
+    several = cs.aggregate([_row("full@N", 100, 3, 3.0),
+                            _row("full@N", 120, 3, 3.0) | {"concurrency": 8}])
+    cs.plot(several, tmp_path / "several.png")
+    assert (tmp_path / "one.png").stat().st_size > 0 and (tmp_path / "several.png").stat().st_size > 0
