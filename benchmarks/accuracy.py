@@ -207,21 +207,30 @@ def retention_arms(a, budget: int, window: int) -> list[Arm]:
 
 
 def stage_arms(stage: str, a) -> list[Arm]:
-    main = [Arm("full")] + [Arm(p, a.budget, a.window) for p in POLICIES[1:]]
-    ablation = Arm("vase-attnv", a.budget, a.window, value_slots=0)
-    learned = retention_arms(a, a.budget, a.window)
+    """The arms of a stage; with --policies only theirs (and the full cache, every stage's
+    reference; the value_slots=0 ablation goes with vase-attnv, the learned arms with trimkv)."""
+    kept = getattr(a, "policies", None)
+
+    def keep(policy):
+        return not kept or policy == "full" or policy in kept
+
+    main = [Arm("full")] + [Arm(p, a.budget, a.window) for p in POLICIES[1:] if keep(p)]
+    ablation = ([Arm("vase-attnv", a.budget, a.window, value_slots=0)]
+                if keep("vase-attnv") else [])
+    learned = retention_arms(a, a.budget, a.window) if keep("trimkv") else []
     if stage == "greedy":
-        return main + [ablation] + learned
+        return main + ablation + learned
     if stage == "tf":
         return [Arm(x.policy, x.budget, x.window, x.value_slots, kind="tf", gates=x.gates)
-                for x in main + [ablation] + learned]
+                for x in main + ablation + learned]
     if stage == "sweep":
         arms = []
         for b in a.sweep:
             if b == a.budget:
                 continue
             w = window_for(b)
-            arms += [Arm(p, b, w) for p in POLICIES[1:]] + [Arm("vase-attnv", b, w, value_slots=0)]
+            arms += [Arm(p, b, w) for p in POLICIES[1:] if keep(p)]
+            arms += [Arm("vase-attnv", b, w, value_slots=0)] if keep("vase-attnv") else []
         return arms
     if stage == "sample":
         return [Arm(x.policy, x.budget, x.window, x.value_slots, decoding="sample")
@@ -948,6 +957,10 @@ def parse_args(argv=None):
                        help="budgets of the teacher-forced budget curve (window = budget/4)")
         p.add_argument("--curve-policies", default="vase-attnv,snapkv,random",
                        help="policies of the curve stage (trimkv needs --retention-gates)")
+        p.add_argument("--policies", default="",
+                       help="comma list: only these policies' arms in the greedy, tf, sweep and "
+                            "sample stages (the full cache always runs; default: every policy), "
+                            "e.g. vase-attnv with --server-args '--kv-cache-dtype fp8_e4m3'")
         p.add_argument("--retention-gates", default=None, metavar="PATH",
                        help="retention gates (python -m vase_sglang.retention train): the server "
                             "loads them, and greedy and tf gain the arms trimkv and the hybrid "
@@ -986,6 +999,11 @@ def parse_args(argv=None):
         a.sweep = [int(x) for x in a.sweep.split(",") if x]
         a.curve = [int(x) for x in a.curve.split(",") if x]
         a.curve_policies = [x for x in a.curve_policies.split(",") if x]
+        a.policies = [x for x in a.policies.split(",") if x]
+        unknown = set(a.policies) - set(POLICIES + ["trimkv"])
+        if unknown:
+            ap.error(f"--policies: unknown {sorted(unknown)}; choose from "
+                     f"{POLICIES + ['trimkv']}")
         unknown = set(a.curve_policies) - set(POLICIES[1:] + ["trimkv"])
         if unknown:
             ap.error(f"--curve-policies: unknown {sorted(unknown)}; choose from "

@@ -94,3 +94,18 @@ def test_retention_gates_option(tmp_path):
     # other gates, other records
     gates.write_bytes(b"two")
     assert acc.gates_id(gates) != gid
+
+
+def test_policies_option_keeps_only_those_arms_and_the_full_cache(tmp_path):
+    base = ["run", "--model-path", "M", "--out", str(tmp_path)]
+    every = acc.parse_args(base)
+    assert {x.policy for x in acc.stage_arms("greedy", every)} == set(acc.POLICIES)
+    a = acc.parse_args(base + ["--policies", "vase-attnv"])
+    assert [x.setting for x in acc.stage_arms("greedy", a)] == [
+        "full", "vase-attnv@64/w16", "vase-attnv@64/w16/nv0"]
+    assert {x.policy for x in acc.stage_arms("tf", a)} == {"full", "vase-attnv"}
+    assert {x.policy for x in acc.stage_arms("sweep", a)} == {"vase-attnv"}
+    snap = acc.parse_args(base + ["--policies", "snapkv"])
+    assert [x.setting for x in acc.stage_arms("greedy", snap)] == ["full", "snapkv@64/w16"]
+    with pytest.raises(SystemExit):
+        acc.parse_args(base + ["--policies", "vase-attnv,nope"])
