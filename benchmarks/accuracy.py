@@ -897,6 +897,66 @@ def report(out: Path, boot_iters: int = 10000) -> dict:
     return summary
 
 
+def compare(a_rows: list[dict], b_rows: list[dict], boot_iters: int = 10000) -> dict:
+    """Each generation arm that both runs served (same arm name: policy, budget, window,
+    decoding), paired per problem: run A against run B. For two runs that differ only in what the
+    arm names do not say, e.g. the server's --kv-cache-dtype. Problems are matched by id and must
+    have the same question in both runs (same task and seed)."""
+    def by_arm(rows):
+        out: dict[str, dict[str, dict]] = defaultdict(dict)
+        for r in rows:
+            if r["arm_fields"].get("kind", "gen") != "tf":
+                out[r["arm"]][r["pid"]] = r
+        return out
+
+    a_arms, b_arms = by_arm(a_rows), by_arm(b_rows)
+    result = {}
+    for name in sorted(set(a_arms) & set(b_arms)):
+        ra, rb = a_arms[name], b_arms[name]
+        common = sorted(set(ra) & set(rb))
+        if not common:
+            continue
+        differ = [p for p in common if ra[p].get("question") != rb[p].get("question")]
+        if differ:
+            raise ValueError(f"{name}: the runs hold different problems under the same ids "
+                             f"(another task or seed?): {differ[:3]}")
+        a_ok = [float(ra[p]["correct"]) for p in common]
+        b_ok = [float(rb[p]["correct"]) for p in common]
+        only_a = sum(int(x > y) for x, y in zip(a_ok, b_ok))
+        only_b = sum(int(y > x) for x, y in zip(a_ok, b_ok))
+        d, lo, hi = st.paired_bootstrap(a_ok, b_ok, iters=boot_iters)
+        divs = [st.first_divergence(ra[p]["output_ids"], rb[p]["output_ids"]) for p in common]
+        pos = sorted(x for x in divs if x is not None)
+        ka, kb, n = int(sum(a_ok)), int(sum(b_ok)), len(common)
+        result[name] = {
+            "n_paired": n, "a_correct": ka, "b_correct": kb,
+            "a_accuracy": ka / n, "a_wilson95": list(st.wilson(ka, n)),
+            "b_accuracy": kb / n, "b_wilson95": list(st.wilson(kb, n)),
+            "acc_diff": d, "acc_diff_boot95": [lo, hi], "only_a_right": only_a,
+            "only_b_right": only_b, "mcnemar_p": st.mcnemar_exact(only_a, only_b),
+            "same_answer": st.mean(ra[p]["pred"] == rb[p]["pred"] for p in common),
+            "identical": st.mean(x is None for x in divs),
+            "first_divergence_median": pos[len(pos) // 2] if pos else None,
+            "a_mean_tokens": st.mean(ra[p]["n_tokens"] for p in common),
+            "b_mean_tokens": st.mean(rb[p]["n_tokens"] for p in common)}
+    return result
+
+
+def compare_markdown(result: dict, a_label: str, b_label: str) -> str:
+    lines = [f"| arm | n | {a_label} [95% CI] | {b_label} [95% CI] | Δ ({a_label} − {b_label}) "
+             f"[boot 95%] | only {a_label} right | only {b_label} right | McNemar p | "
+             "same answer | identical output | 1st divergence (median) |", "|---" * 11 + "|"]
+    for name, c in result.items():
+        lines.append(
+            f"| {name} | {c['n_paired']} | {c['a_accuracy']:.2f} [{c['a_wilson95'][0]:.2f}, "
+            f"{c['a_wilson95'][1]:.2f}] | {c['b_accuracy']:.2f} [{c['b_wilson95'][0]:.2f}, "
+            f"{c['b_wilson95'][1]:.2f}] | {c['acc_diff']:+.2f} [{c['acc_diff_boot95'][0]:+.2f}, "
+            f"{c['acc_diff_boot95'][1]:+.2f}] | {c['only_a_right']} | {c['only_b_right']} | "
+            f"{c['mcnemar_p']:.3f} | {c['same_answer']:.2f} | {c['identical']:.2f} | "
+            f"{c['first_divergence_median'] if c['first_divergence_median'] is not None else '–'} |")
+    return "\n".join(lines) + "\n"
+
+
 # ----------------------------------------------------------------------------- throughput
 
 
@@ -988,6 +1048,15 @@ def parse_args(argv=None):
     rp.add_argument("--out", default="results/accuracy")
     rp.add_argument("--boot-iters", type=int, default=10000)
 
+    cp = sub.add_parser("compare", help="pair the generation arms two runs share, per problem "
+                        "(e.g. the same arms on an fp8 KV cache against the model dtype)")
+    cp.add_argument("a", help="run A's --out folder (records.jsonl or records.jsonl.gz)")
+    cp.add_argument("b", help="run B's --out folder")
+    cp.add_argument("--labels", default="A,B", help="names of A and B in the table, e.g. fp8,bf16")
+    cp.add_argument("--out", default=None,
+                    help="folder for compare.json and compare.md (default: A's folder)")
+    cp.add_argument("--boot-iters", type=int, default=10000)
+
     ex = sub.add_parser("export-gsm8k")
     ex.add_argument("--task", default="gsm_symbolic")
     ex.add_argument("--n", type=int, default=200)
@@ -1055,6 +1124,21 @@ def _main(a) -> int:
         return 0
     if a.cmd == "report":
         print(markdown(report(Path(a.out), a.boot_iters)))
+        return 0
+    if a.cmd == "compare":
+        labels = a.labels.split(",")
+        if len(labels) != 2:
+            raise SystemExit("--labels: two names, e.g. fp8,bf16")
+        result = compare(load_rows(Path(a.a)), load_rows(Path(a.b)), a.boot_iters)
+        if not result:
+            raise SystemExit(f"no generation arm with problems in both {a.a} and {a.b}")
+        out = Path(a.out or a.a)
+        out.mkdir(parents=True, exist_ok=True)
+        md = compare_markdown(result, *labels)
+        (out / "compare.json").write_text(json.dumps(
+            {"a": str(a.a), "b": str(a.b), "labels": labels, "arms": result}, indent=1))
+        (out / "compare.md").write_text(md)
+        print(md)
         return 0
     if a.cmd == "throughput":
         a.concurrency_list = [int(x) for x in a.concurrency_list.split(",")]

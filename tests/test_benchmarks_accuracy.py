@@ -109,3 +109,53 @@ def test_policies_option_keeps_only_those_arms_and_the_full_cache(tmp_path):
     assert [x.setting for x in acc.stage_arms("greedy", snap)] == ["full", "snapkv@64/w16"]
     with pytest.raises(SystemExit):
         acc.parse_args(base + ["--policies", "vase-attnv,nope"])
+
+
+def _gen_row(arm: str, pid: str, correct: bool, ids: list[int], question: str = "q") -> dict:
+    policy = arm.partition("@")[0].partition(":")[0]
+    return {"key": f"{arm}|{pid}", "arm": arm, "pid": pid, "question": f"{question} {pid}",
+            "arm_fields": {"policy": policy, "budget": 64, "window": 16, "value_slots": None,
+                           "decoding": "greedy", "kind": "gen"},
+            "correct": correct, "pred": "1" if correct else "2", "output_ids": ids,
+            "n_tokens": len(ids), "finish": "stop", "kv_evicted": 0}
+
+
+def _write_run(folder: Path, rows: list[dict]) -> Path:
+    folder.mkdir()
+    acc.write_compact(folder, rows)
+    return folder
+
+
+def test_compare_pairs_two_runs_arm_by_arm(tmp_path):
+    arm = "vase-attnv@64/w16:greedy"
+    a = [_gen_row(arm, f"p{i}", ok, [1, 2, 3]) for i, ok in enumerate([True, True, False, False])]
+    b = [_gen_row(arm, "p0", True, [1, 2, 3]), _gen_row(arm, "p1", False, [1, 9, 9]),
+         _gen_row(arm, "p2", False, [1, 2, 4]), _gen_row(arm, "p3", False, [1, 2, 3])]
+    # an arm only one run served, and a teacher-forced arm, are left out
+    a.append(_gen_row("snapkv@64/w16:greedy", "p0", True, [1]))
+    tf = _gen_row(arm + ":tf", "p0", True, [1])
+    tf["arm_fields"]["kind"] = "tf"
+    out = acc.compare(a + [tf], b + [dict(tf)], boot_iters=200)
+    assert list(out) == [arm]
+    c = out[arm]
+    assert (c["n_paired"], c["a_correct"], c["b_correct"]) == (4, 2, 1)
+    assert (c["only_a_right"], c["only_b_right"]) == (1, 0)
+    assert c["acc_diff"] == pytest.approx(0.25)
+    assert c["identical"] == pytest.approx(0.5)
+    assert c["first_divergence_median"] == 2  # divergences at 1 and 2
+    assert c["same_answer"] == pytest.approx(0.75)
+
+    # the CLI writes compare.json and compare.md into A's folder
+    da, db = _write_run(tmp_path / "fp8", a), _write_run(tmp_path / "base", b)
+    assert acc.main(["compare", str(da), str(db), "--labels", "fp8,fp32",
+                     "--boot-iters", "200"]) == 0
+    assert json.loads((da / "compare.json").read_text())["arms"][arm]["only_a_right"] == 1
+    assert "fp8 − fp32" in (da / "compare.md").read_text()
+
+
+def test_compare_refuses_runs_of_different_problems(tmp_path):
+    arm = "full:greedy"
+    a = [_gen_row(arm, "p0", True, [1])]
+    b = [_gen_row(arm, "p0", True, [1], question="another seed")]
+    with pytest.raises(ValueError, match="different problems"):
+        acc.compare(a, b, boot_iters=10)
