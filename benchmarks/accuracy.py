@@ -318,12 +318,12 @@ class Harness:
             # one server for every stage: its window bounds the per-request windows
             window = max([window_for(b) for b in self.a.sweep + self.a.curve] + [self.a.window])
             return (["--kv-evict-policy", QUERY_POLICY, "--kv-evict-budget", str(self.a.budget),
-                     "--kv-evict-window", str(window), "--kv-evict-seed", str(self.a.seed)]
+                     "--kv-evict-window", str(window), "--kv-evict-seed", str(eviction_seed(self.a))]
                     + request_limit_flags(self.a) + self.gates_flags())
         (setting,) = {x.setting for x in arms}
         if not arms[0].evicts:
             return []
-        return (arms[0].flags() + ["--kv-evict-seed", str(self.a.seed)]
+        return (arms[0].flags() + ["--kv-evict-seed", str(eviction_seed(self.a))]
                 + (self.gates_flags() if arms[0].policy == "trimkv" else []))
 
     def gates_flags(self) -> list[str]:
@@ -1000,7 +1000,13 @@ def parse_args(argv=None):
         p.add_argument("--model-path", required=True)
         p.add_argument("--out", default="results/accuracy")
         p.add_argument("--task", default="gsm_symbolic", choices=["gsm_symbolic", "chain_sum"])
-        p.add_argument("--seed", type=int, default=123, help="problem seed (reasoning-gym), eviction seed")
+        p.add_argument("--seed", type=int, default=123,
+                       help="problem seed (reasoning-gym), and the eviction seed unless "
+                            "--eviction-seed is given")
+        p.add_argument("--eviction-seed", type=int, default=None,
+                       help="seed of the stochastic policies' draws (--kv-evict-seed; default "
+                            "--seed): the same problems under other draws, to measure how much "
+                            "one set of draws moves the results (use another --out)")
         p.add_argument("--budget", type=int, default=64, help="main budget T (~4x compression of ~280 tokens)")
         p.add_argument("--window", type=int, default=16, help="window R at the main budget")
         p.add_argument("--max-new-tokens", type=int, default=512)
@@ -1095,9 +1101,37 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, old)
 
 
+def eviction_seed(a) -> int:
+    return a.seed if getattr(a, "eviction_seed", None) is None else a.eviction_seed
+
+
+# what a record means beyond its arm name: a resumed run must not mix records made otherwise
+RUN_IDENTITY = ("task", "seed", "eviction_seed", "dtype", "server_args", "max_new_tokens")
+
+
+def check_resume(out: Path, a) -> None:
+    """Refuse to add records to a folder whose earlier run served otherwise (another seed,
+    eviction seed, task, dtype, server flags or length limit): its records would be resumed
+    as if they were this run's."""
+    cfg_path = out / "config.json"
+    if not (out / "records.jsonl").exists() or not cfg_path.exists():
+        return
+    old = json.loads(cfg_path.read_text())
+    old.setdefault("eviction_seed", None)
+    now = {**vars(a), "eviction_seed": eviction_seed(a)}
+    old["eviction_seed"] = eviction_seed(argparse.Namespace(**old))
+    differ = {k: (old.get(k), now.get(k)) for k in RUN_IDENTITY
+              if k in old and old.get(k) != now.get(k)}
+    if differ:
+        raise SystemExit(f"{out} holds records of a run with other settings "
+                         + ", ".join(f"{k}: {o!r} there, {n!r} now" for k, (o, n) in differ.items())
+                         + "; use another --out (or the same settings to resume)")
+
+
 def run_stages(h: Harness) -> dict:
     """The `run` command on a Harness (whose server, if started, stays up: call h.close())."""
     a, out = h.a, h.out
+    check_resume(out, a)
     sizes = [int(x.partition(":")[2]) for x in a.stages.split(",") if x.partition(":")[2]]
     export_gsm8k(load_problems(a.task, max([a.n, a.tf_n, a.curve_n, a.sweep_n, a.sample_n,
                                             *sizes]), a.seed),

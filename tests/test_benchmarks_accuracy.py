@@ -159,3 +159,41 @@ def test_compare_refuses_runs_of_different_problems(tmp_path):
     b = [_gen_row(arm, "p0", True, [1], question="another seed")]
     with pytest.raises(ValueError, match="different problems"):
         acc.compare(a, b, boot_iters=10)
+
+
+def test_eviction_seed_defaults_to_the_problem_seed_and_a_resume_keeps_it(tmp_path):
+    base = ["run", "--model-path", "M", "--out", str(tmp_path)]
+    a = acc.parse_args(base)
+    assert acc.eviction_seed(a) == a.seed == 123
+    other = acc.parse_args(base + ["--eviction-seed", "7"])
+    assert acc.eviction_seed(other) == 7 and other.seed == 123  # same problems, other draws
+
+    acc.check_resume(tmp_path, other)  # an empty folder: nothing to resume
+    (tmp_path / "config.json").write_text(json.dumps({**vars(a), "serving": "per-request"}))
+    (tmp_path / "records.jsonl").write_text("")
+    acc.check_resume(tmp_path, acc.parse_args(base + ["--threads", "1"]))  # how, not what
+    acc.check_resume(tmp_path, acc.parse_args(base + ["--eviction-seed", "123"]))  # the same draws
+    with pytest.raises(SystemExit, match="eviction_seed: 123 there, 7 now"):
+        acc.check_resume(tmp_path, other)
+    with pytest.raises(SystemExit, match="server_args"):
+        acc.check_resume(tmp_path, acc.parse_args(
+            base + ["--server-args", "--kv-cache-dtype fp8_e4m3"]))
+    # a config written before --eviction-seed existed: its draws were keyed by --seed
+    old = {k: v for k, v in vars(a).items() if k != "eviction_seed"}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    acc.check_resume(tmp_path, a)
+    with pytest.raises(SystemExit, match="eviction_seed"):
+        acc.check_resume(tmp_path, other)
+
+
+def test_the_eviction_seed_reaches_the_server_flags(tmp_path):
+    from types import SimpleNamespace
+
+    base = ["run", "--model-path", "M", "--out", str(tmp_path), "--policies", "vase-attnv"]
+    for argv, want in ((base, "123"), (base + ["--eviction-seed", "7"], "7")):
+        a = acc.parse_args(argv)
+        for mode, arms in (("per-request", acc.stage_arms("greedy", a)),
+                           ("per-arm", [acc.Arm("vase-attnv", 64, 16)])):
+            flags = acc.Harness.server_flags(SimpleNamespace(a=a, mode=mode, gates_flags=list),
+                                             arms)
+            assert flags[flags.index("--kv-evict-seed") + 1] == want
