@@ -1117,9 +1117,8 @@ def check_resume(out: Path, a) -> None:
     if not (out / "records.jsonl").exists() or not cfg_path.exists():
         return
     old = json.loads(cfg_path.read_text())
-    old.setdefault("eviction_seed", None)
+    old["eviction_seed"] = eviction_seed(argparse.Namespace(**old))  # absent before the option
     now = {**vars(a), "eviction_seed": eviction_seed(a)}
-    old["eviction_seed"] = eviction_seed(argparse.Namespace(**old))
     differ = {k: (old.get(k), now.get(k)) for k in RUN_IDENTITY
               if k in old and old.get(k) != now.get(k)}
     if differ:
