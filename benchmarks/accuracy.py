@@ -603,6 +603,23 @@ def load_rows(out: Path) -> list[dict]:
     raise FileNotFoundError(f"no records.jsonl or {COMPACT} in {out}")
 
 
+def paired_answers(a: dict, b: dict, pids: list, boot_iters: int) -> dict:
+    """Two arms' records on the same problems, paired: accuracy difference a − b with its
+    bootstrap interval, the discordant problems and McNemar's p, the share of equal answers,
+    and (with `output_ids`) where each pair of outputs first differs (None: identical)."""
+    a_ok = [float(a[p]["correct"]) for p in pids]
+    b_ok = [float(b[p]["correct"]) for p in pids]
+    only_a = sum(int(x > y) for x, y in zip(a_ok, b_ok))
+    only_b = sum(int(y > x) for x, y in zip(a_ok, b_ok))
+    d, lo, hi = st.paired_bootstrap(a_ok, b_ok, iters=boot_iters)
+    return {"n_paired": len(pids), "acc_diff": d, "acc_diff_boot95": [lo, hi],
+            "only_a_right": only_a, "only_b_right": only_b,
+            "mcnemar_p": st.mcnemar_exact(only_a, only_b),
+            "same_answer": st.mean(a[p]["pred"] == b[p]["pred"] for p in pids),
+            "divergences": [st.first_divergence(a[p]["output_ids"], b[p]["output_ids"])
+                            for p in pids]}
+
+
 def summarize(rows: list[dict], boot_iters: int = 10000) -> dict:
     by_arm: dict[str, dict[str, dict]] = defaultdict(dict)
     fields: dict[str, dict] = {}
@@ -628,18 +645,12 @@ def summarize(rows: list[dict], boot_iters: int = 10000) -> dict:
         full = by_arm.get(full_name[arm.decoding], {})
         common = sorted(set(recs) & set(full))
         if arm.evicts and common:
-            a_ok = [float(recs[p]["correct"]) for p in common]
-            f_ok = [float(full[p]["correct"]) for p in common]
-            b = sum(int(x > y) for x, y in zip(a_ok, f_ok))
-            c = sum(int(y > x) for x, y in zip(a_ok, f_ok))
-            d, dlo, dhi = st.paired_bootstrap(a_ok, f_ok, iters=boot_iters)
-            s["vs_full"] = {
-                "n_paired": len(common), "acc_diff": d, "acc_diff_boot95": [dlo, dhi],
-                "only_policy_right": b, "only_full_right": c, "mcnemar_p": st.mcnemar_exact(b, c),
-                "same_answer": st.mean(recs[p]["pred"] == full[p]["pred"] for p in common)}
+            pair = paired_answers(recs, full, common, boot_iters)
+            divs = pair.pop("divergences")
+            pair["only_policy_right"] = pair.pop("only_a_right")
+            pair["only_full_right"] = pair.pop("only_b_right")
+            s["vs_full"] = pair
             if arm.decoding == "greedy":
-                divs = [st.first_divergence(recs[p]["output_ids"], full[p]["output_ids"])
-                        for p in common]
                 pos = [x for x in divs if x is not None]
                 s["vs_full"].update({
                     "identical": st.mean(x is None for x in divs),
@@ -920,21 +931,15 @@ def compare(a_rows: list[dict], b_rows: list[dict], boot_iters: int = 10000) -> 
         if differ:
             raise ValueError(f"{name}: the runs hold different problems under the same ids "
                              f"(another task or seed?): {differ[:3]}")
-        a_ok = [float(ra[p]["correct"]) for p in common]
-        b_ok = [float(rb[p]["correct"]) for p in common]
-        only_a = sum(int(x > y) for x, y in zip(a_ok, b_ok))
-        only_b = sum(int(y > x) for x, y in zip(a_ok, b_ok))
-        d, lo, hi = st.paired_bootstrap(a_ok, b_ok, iters=boot_iters)
-        divs = [st.first_divergence(ra[p]["output_ids"], rb[p]["output_ids"]) for p in common]
+        pair = paired_answers(ra, rb, common, boot_iters)
+        divs = pair.pop("divergences")
         pos = sorted(x for x in divs if x is not None)
-        ka, kb, n = int(sum(a_ok)), int(sum(b_ok)), len(common)
+        ka, kb, n = (sum(bool(ra[p]["correct"]) for p in common),
+                     sum(bool(rb[p]["correct"]) for p in common), len(common))
         result[name] = {
-            "n_paired": n, "a_correct": ka, "b_correct": kb,
+            **pair, "a_correct": ka, "b_correct": kb,
             "a_accuracy": ka / n, "a_wilson95": list(st.wilson(ka, n)),
             "b_accuracy": kb / n, "b_wilson95": list(st.wilson(kb, n)),
-            "acc_diff": d, "acc_diff_boot95": [lo, hi], "only_a_right": only_a,
-            "only_b_right": only_b, "mcnemar_p": st.mcnemar_exact(only_a, only_b),
-            "same_answer": st.mean(ra[p]["pred"] == rb[p]["pred"] for p in common),
             "identical": st.mean(x is None for x in divs),
             "first_divergence_median": pos[len(pos) // 2] if pos else None,
             "a_mean_tokens": st.mean(ra[p]["n_tokens"] for p in common),
