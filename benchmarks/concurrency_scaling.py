@@ -244,7 +244,11 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
     """--repeats client runs per concurrency on one server of this arm. `done` holds the
     records of earlier calls by (arm, concurrency, repeat): those runs are not repeated (and
     the server is not started when none is missing); `record(row)` is called after each run."""
-    done = done or {}
+    # A trimkv arm's record holds the hash of the gates it served: records made with other
+    # gates are run again (--gates is otherwise a selection option, see SELECTION).
+    gates = (file_sha256(server_args[server_args.index("--kv-evict-retention-gates") + 1])
+             if "--kv-evict-retention-gates" in server_args else None)
+    done = {k: row for k, row in (done or {}).items() if row.get("gates_sha256") == gates}
     wanted = [(c, rep) for c in args.concurrency for rep in range(args.repeats)]
     if all((name, c, rep) in done for c, rep in wanted):
         print(f"  {name}: all {len(wanted)} runs reused from {RECORDS}", flush=True)
@@ -269,8 +273,11 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
             if (name, c, rep) in done:
                 rows.append(done[name, c, rep])
                 continue
+            # when, and how busy the machine was: a table must say its machine state
+            started = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "load_1min_at_start": round(os.getloadavg()[0], 2)}
             row = {"arm": name, "pool": pool * workers, "page_size": page_size,
-                   "concurrency": c, "repeat": rep,
+                   "concurrency": c, "repeat": rep, "gates_sha256": gates, **started,
                    **measure_run(server, args, c, evicting, page_size, pool * workers)}
             rows.append(row)
             if record is not None:
@@ -360,9 +367,16 @@ def kv_suffix(kv_dtype: str) -> str:
 # Every completed run is appended here (one JSON object per line: the run's settings and row).
 RECORDS = "runs.jsonl"
 # Options that choose which runs to make, not what a run measures: records made under other
-# values of these are still valid.
+# values of these are still valid. --gates only reaches the trimkv arms, whose records carry
+# the gates' hash (run_arm reuses them only with the same gates).
 SELECTION = ("out", "quiet_client", "fresh", "repeats", "concurrency", "arms", "policies",
-             "page_size", "kv_dtypes", "kv_dtype_arms")
+             "page_size", "kv_dtypes", "kv_dtype_arms", "gates")
+
+
+def file_sha256(path: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def run_settings(args) -> dict:
@@ -385,7 +399,9 @@ def load_records(path: Path, settings: dict) -> tuple[dict, int]:
         except (json.JSONDecodeError, KeyError, TypeError):
             other += 1
             continue
-        if rec.get("settings") == settings:
+        # options counted as selection since the record was written do not void it
+        recorded = {k: v for k, v in (rec.get("settings") or {}).items() if k not in SELECTION}
+        if recorded == settings:
             done[key] = row
         else:
             other += 1
@@ -565,7 +581,11 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
     # The query ring's rows are sized for the client's nominal prompt length: the server's
     # (longer, re-tokenized) prompts then never make the ring cap the running requests.
     ring = ["--kv-evict-expected-prompt-len", str(args.input_len)]
+    # only trimkv reads the gates: the other arms run (and are recorded) without them
     gates = ["--kv-evict-retention-gates", str(args.gates)] if args.gates else []
+
+    def gates_for(policy):
+        return gates if policy == "trimkv" else []
     arms = []
     for page in args.page_size:
         for kv in args.kv_dtypes:
@@ -581,7 +601,7 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
                     arms.append((f"{p}@N{sfx}", [*kv_args, "--kv-evict-policy", p,
                                                  "--kv-evict-budget", str(args.budget),
                                                  "--kv-evict-window", str(args.window), *ring,
-                                                 *gates], pool, page))
+                                                 *gates_for(p)], pool, page))
             if "vase-dp2" in selected:
                 for p in args.policies:
                     # the pool flag is per worker: half each
@@ -589,7 +609,7 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
                                                       "--kv-evict-policy", p,
                                                       "--kv-evict-budget", str(args.budget),
                                                       "--kv-evict-window", str(args.window),
-                                                      *ring, *gates], pool // 2, page))
+                                                      *ring, *gates_for(p)], pool // 2, page))
             if "ceiling" in selected:
                 arms.append((f"ceiling{sfx}", kv_args, ceiling_pool, page))
     return arms
@@ -627,9 +647,10 @@ def main(argv=None) -> int:
                     choices=["auto", "float32", "bfloat16", "float16"],
                     help="the model's --dtype (default: float32 on CPU, which has no native "
                     "bf16 here; auto on CUDA)")
-    ap.add_argument("--gates", help="retention gates file for the evicting arms "
+    ap.add_argument("--gates", help="retention gates file for the trimkv arms "
                     "(--kv-evict-retention-gates; needed by --policies trimkv: "
-                    "python -m vase_sglang.retention train)")
+                    "python -m vase_sglang.retention train); the other arms' records stay "
+                    "valid when it is added or changed")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "results" / "concurrency"))
     ap.add_argument("--quiet-client", action="store_true", help="hide the client's progress bar")

@@ -243,6 +243,40 @@ def test_records_are_reused_only_under_the_same_settings(tmp_path):
     path.write_text("\n".join(lines))
     done, other = cs.load_records(path, settings)
     assert list(done) == [("full@N", 24, 0)] and done["full@N", 24, 0] == row and other == 2
+    # a record written when --gates was still a setting (gates=None then) stays valid
+    path.write_text(json.dumps({"settings": settings | {"gates": None}, "row": row}))
+    assert list(cs.load_records(path, settings)[0]) == [("full@N", 24, 0)]
+
+
+def test_gates_keep_the_other_arms_records_and_renew_trimkvs(tmp_path, monkeypatch):
+    # adding trimkv (with its gates) later keeps every record made without them
+    assert cs.run_settings(_args(gates="/g.pt", policies=["vase-attnv", "trimkv"])) == \
+        cs.run_settings(_args())
+    g1, g2 = tmp_path / "g1.pt", tmp_path / "g2.pt"
+    g1.write_bytes(b"one")
+    g2.write_bytes(b"two")
+    started = []
+
+    class Server:
+        def __init__(self, *a, **k):
+            started.append(a)
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(cs, "BenchServer", Server)
+    monkeypatch.setattr(cs, "measure_run", lambda *a: {"output_throughput": 1.0,
+                                                       "peak_running": 1, "mean_running": 1.0,
+                                                       "bound": 1.0, "eviction_time_share": None})
+    args = _args(concurrency=[16], repeats=1)
+    flags = ["--kv-evict-policy", "trimkv", "--kv-evict-retention-gates"]
+    rows = cs.run_arm("trimkv@N", [*flags, str(g1)], 2048, args, tmp_path)
+    assert rows[0]["gates_sha256"] == cs.file_sha256(str(g1)) and len(started) == 1
+    done = {("trimkv@N", 16, 0): rows[0]}
+    cs.run_arm("trimkv@N", [*flags, str(g1)], 2048, args, tmp_path, done=done)
+    assert len(started) == 1  # same gates: reused
+    cs.run_arm("trimkv@N", [*flags, str(g2)], 2048, args, tmp_path, done=done)
+    assert len(started) == 2  # other gates: run again
 
 
 def test_an_arm_whose_runs_are_all_recorded_starts_no_server(tmp_path, monkeypatch):
@@ -269,7 +303,9 @@ def test_arms_at_another_kv_dtype_get_its_flag_and_the_same_bytes():
     flags, pool, page = arms["vase-attnv@N-dp2 p16 fp8_e4m3"]
     assert (pool, page) == (2048 * 4 // 2, 16)  # per worker: half of 4 N fp8 slots
     assert flags[:2] == ["--kv-cache-dtype", "fp8_e4m3"]
-    assert flags[flags.index("--kv-evict-retention-gates") + 1] == "/g.pt"
+    assert "--kv-evict-retention-gates" not in flags  # only trimkv reads the gates
+    trim = arms["trimkv@N-dp2 p16 fp8_e4m3"][0]
+    assert trim[trim.index("--kv-evict-retention-gates") + 1] == "/g.pt"
     assert arms["full@N"] == ([], 2048, 1) and arms["full@N fp8_e4m3"][1] == 8192
     assert "--kv-evict-retention-gates" not in arms["full@N fp8_e4m3"][0]
 
