@@ -154,7 +154,10 @@ def test_prose_and_code_prompts_are_seeded_and_distinct(tiny_model_fp32):
 def test_general_gates_record_their_mix_recipe_and_data(tiny_model_fp32, tmp_path):
     out = tmp_path / "general"
     cfg = _cfg(tiny_model_fp32, task="general", problems=7, gen_tokens=12, steps=4, gen_batch=3)
-    summary = R.train(cfg, out, progress=_quiet, log=lambda *_: None)
+    logs = []
+    summary = R.train(cfg, out, progress=_quiet, log=logs.append)
+    # the data estimate comes from a batch whose answers ran to the limit
+    assert any(line.startswith("data: at most about") for line in logs), logs
     meta = R.read_metadata(summary["gates"])
     mix = json.loads(meta["data_mix"])
     assert list(mix) == list(R.MIXES["general"])
