@@ -279,6 +279,12 @@ class Records:
     def get(self, arm: Arm, pid: str):
         return self.rows.get(key(arm, pid))
 
+    def forget(self, arm: Arm, pid: str) -> None:
+        """Run this request again: its row is dropped here; the file keeps it until the new
+        row, appended later, replaces it on the next load."""
+        with self.lock:
+            self.rows.pop(key(arm, pid), None)
+
 
 def key(arm: Arm, pid: str) -> str:
     return f"{arm.name}|{pid}"
@@ -516,6 +522,15 @@ class Harness:
         full, full_tf = Arm("full"), Arm("full", kind="tf")
         self.run_jobs(self.interleave([full], probs), f"{name} (full greedy)")
         forced = {p["pid"]: self.records.get(full, p["pid"])["output_ids"] for p in probs}
+        # records unpacked from the committed compact copy have no top-k reference (dropped to
+        # keep it small): replay the full cache again for those problems, so new arms can run
+        stale = [p for p in probs if "ref_ids" not in (self.records.get(full_tf, p["pid"]) or
+                                                         {"ref_ids": None})]
+        if stale:
+            print(f"{name}: {len(stale)} full-cache replays lack their top-k reference (a "
+                  "compact copy's records): replaying them again", file=sys.stderr)
+            for p in stale:
+                self.records.forget(full_tf, p["pid"])
         self.run_jobs([(full_tf, p, {"forced": forced[p["pid"]]}) for p in probs],
                       f"{name} (full replay)")
         jobs = []
@@ -731,6 +746,13 @@ def tf_pairs(fields: dict, sums: dict, boot_iters: int) -> dict:
     arms replayed, with a bootstrap CI over problems and p-value; significant when the 95% CI
     excludes 0."""
     pairs = {}
+    # records of two gates files (say in-distribution and general gates) make two trimkv arms
+    # of one label: name each by its gates, or one pair would overwrite the other
+    several_gates = len({fields[n].get("gates") for n in sums} - {None, ""}) > 1
+
+    def label(x: Arm) -> str:
+        return x.label + (f" g{x.gates}" if several_gates and x.gates else "")
+
     for ref_name, ref in sums.items():
         a = Arm(**fields[ref_name])
         if a.value_slots is not None or a.policy not in (PAIR_REFERENCE, "trimkv"):
@@ -745,7 +767,7 @@ def tf_pairs(fields: dict, sums: dict, boot_iters: int) -> dict:
             pids = sorted(set(ref) & set(other))
             counts = [ref[p]["count"] for p in pids]
             assert counts == [other[p]["count"] for p in pids]  # same forced tokens
-            row = {"reference": a.label, "other": b.label, "budget": a.budget,
+            row = {"reference": label(a), "other": label(b), "budget": a.budget,
                    "window": a.window, "n_paired": len(pids)}
             for metric in TF_METRICS:
                 d, lo, hi, p = st.paired_cluster_bootstrap(
@@ -753,7 +775,7 @@ def tf_pairs(fields: dict, sums: dict, boot_iters: int) -> dict:
                     boot_iters)
                 row[metric] = {"diff": d, "boot95": [lo, hi], "p": p,
                                "significant": bool(lo > 0 or hi < 0)}
-            pairs[f"{a.label} vs {b.label} @T={a.budget}"] = row
+            pairs[f"{label(a)} vs {label(b)} @T={a.budget}"] = row
     return pairs
 
 

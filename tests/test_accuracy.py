@@ -86,6 +86,7 @@ def test_harness_end_to_end_with_resume(tiny_model_fp32, trimkv_gates_file, tmp_
     try:
         acc.run_stages(h)
         _check_and_resume(h, a, out)
+        _resume_from_compact_copy(h, a, out, tmp_path / "from_compact")
     finally:
         h.close()
     # the CLI rebuilds the report from the records alone
@@ -99,6 +100,36 @@ def test_harness_end_to_end_with_resume(tiny_model_fp32, trimkv_gates_file, tmp_
     assert acc.main(["report", "--out", str(committed), "--boot-iters", "100"]) == 0
     _assert_close(json.loads((committed / "summary.json").read_text()),
                   json.loads((out / "summary.json").read_text()))
+
+
+def _resume_from_compact_copy(h, a, out, folder):
+    """A run resumed from the committed compact copy (its full-cache replays lack the top-k
+    reference) can add a teacher-forced arm: the full replays are run again, not a KeyError."""
+    import argparse
+    import gzip
+
+    with gzip.open(out / acc.COMPACT, "rt") as f:
+        rows = [json.loads(x) for x in f if x.strip()]
+    target = "snapkv@16/w4:greedy:tf"
+    before = {r["pid"]: r for r in rows if r["arm"] == target}
+    assert before and all("ref_ids" not in r for r in rows)
+    folder.mkdir()
+    (folder / "config.json").write_bytes((out / "config.json").read_bytes())
+    (folder / "records.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if r["arm"] != target))
+    h2 = acc.Harness(argparse.Namespace(**{**vars(a), "out": str(folder), "stages": "tf"}))
+    h2.adopt_server(h)
+    try:
+        acc.run_stages(h2)
+    finally:
+        h2.close()
+    again = acc.Records(folder / "records.jsonl").rows
+    assert all("ref_ids" in r for r in again.values() if r["arm"] == "full:greedy:tf")
+    for pid, old in before.items():
+        new = again[f"{target}|{pid}"]
+        assert new["n_tokens"] == old["n_tokens"]
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        assert math.isclose(mean(new["kl"]), mean(old["kl"]), abs_tol=1e-3), pid
 
 
 def _assert_close(a, b, path="summary"):

@@ -4,6 +4,7 @@ instead of measuring something else (a private answer extractor, a missing evict
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,27 @@ def test_the_eviction_seed_reaches_the_server_flags(tmp_path):
             flags = acc.Harness.server_flags(SimpleNamespace(a=a, mode=mode, gates_flags=list),
                                              arms)
             assert flags[flags.index("--kv-evict-seed") + 1] == want
+
+
+def test_tf_pairs_name_trimkv_arms_by_their_gates_when_two_gates_ran():
+    """In-distribution and general gates replayed into one folder: each gets its own pair
+    against vase-attnv (one used to overwrite the other under the label "trimkv")."""
+    from dataclasses import asdict
+
+    arms = [acc.Arm("vase-attnv", 64, 16, kind="tf"),
+            acc.Arm("trimkv", 64, 16, kind="tf", gates="aaaa1111"),
+            acc.Arm("trimkv", 64, 16, kind="tf", gates="bbbb2222")]
+    kl = {"vase-attnv": 0.10, "aaaa1111": 0.05, "bbbb2222": 0.07}  # per-token KL of each arm
+    fields, sums = {}, {}
+    for arm in arms:
+        fields[arm.name] = asdict(arm)
+        v = kl[arm.gates or arm.policy]
+        sums[arm.name] = {f"p{i}": {"count": 10, "kl": 10 * v * (1 + i / 10),
+                                    "nll_excess": 10 * v, "top1_agree": 9.0} for i in range(4)}
+    pairs = acc.tf_pairs(fields, sums, boot_iters=200)
+    for gates in ("aaaa1111", "bbbb2222"):
+        row = pairs[f"vase-attnv vs trimkv g{gates} @T=64"]
+        assert math.isclose(row["kl"]["diff"], (0.10 - kl[gates]) * 1.15, rel_tol=1e-9)
+    # one gates file: the label stays the plain policy name
+    one = {k: v for k, v in sums.items() if "bbbb" not in k}
+    assert "vase-attnv vs trimkv @T=64" in acc.tf_pairs(fields, one, boot_iters=200)
