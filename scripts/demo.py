@@ -7,7 +7,9 @@ a grade-school math question through its chat template. --tiny serves the tiny r
 vase_sglang.serving.tiny_model instead (built in seconds, gibberish text, real eviction). Pass
 --model-path for your own model; any other launch_server option is passed through. With
 --kv-evict-policy trimkv and no --kv-evict-retention-gates, the model's general retention gates
-are used (python -m vase_sglang.retention load-or-train: cached, else trained here once)."""
+are used (python -m vase_sglang.retention load-or-train: cached, else trained here once).
+Eviction flags the user leaves out take the demo's values (vase-attnv, budget 128, window 32),
+so a few-hundred-token answer shows evictions whichever policy is picked."""
 
 from __future__ import annotations
 
@@ -46,9 +48,7 @@ def main() -> None:
         gates_model = DEFAULT_MODEL
     prompt = args.prompt or ("Hello world! The capital of France is" if args.tiny else QUESTION)
     text = prompt if args.tiny else _chat(model, prompt)
-    if not any(a.startswith("--kv-evict-policy") for a in passthrough):
-        passthrough += ["--kv-evict-policy", "vase-attnv", "--kv-evict-budget", "128",
-                        "--kv-evict-window", "32"]
+    passthrough = demo_eviction_flags(passthrough)
     if _policy(passthrough) == "trimkv" and not any(
             a.startswith("--kv-evict-retention-gates") for a in passthrough):
         from vase_sglang.gates import GatesError
@@ -84,6 +84,23 @@ def main() -> None:
         print(f"=== {meta['completion_tokens']} tokens generated, "
               f"{meta.get('kv_evicted_tokens', 0)} evicted per (layer, KV head), "
               f"{meta['e2e_latency']:.2f} s ===")
+
+
+# A demo answer is a few hundred tokens: at the server's default budget (1024) nothing would be
+# evicted, so the demo cuts back to 128 every 32 tokens unless told otherwise.
+DEMO_EVICTION = {"--kv-evict-policy": "vase-attnv", "--kv-evict-budget": "128",
+                 "--kv-evict-window": "32"}
+
+
+def demo_eviction_flags(passthrough: list[str]) -> list[str]:
+    """The launch flags with the demo's eviction settings added where the user gave none (a
+    policy of their own keeps their budget and window if given, else gets the demo's)."""
+    policy = _policy(passthrough)
+    if policy == "full":
+        return passthrough
+    given = {a.split("=", 1)[0] for a in passthrough}
+    return passthrough + [x for flag, value in DEMO_EVICTION.items() if flag not in given
+                          for x in (flag, value)]
 
 
 def _policy(passthrough: list[str]) -> str | None:
