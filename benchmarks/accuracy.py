@@ -323,7 +323,11 @@ class Harness:
         if self.mode == "per-request":
             # one server for every stage: its window bounds the per-request windows
             window = max([window_for(b) for b in self.a.sweep + self.a.curve] + [self.a.window])
-            return (["--kv-evict-policy", QUERY_POLICY, "--kv-evict-budget", str(self.a.budget),
+            # the server's own budget must exceed that window (a budget includes its window);
+            # a small --budget (short answers) takes the largest budget of the stages instead
+            budget = (self.a.budget if self.a.budget > window
+                      else max(self.a.sweep + self.a.curve + [self.a.budget]))
+            return (["--kv-evict-policy", QUERY_POLICY, "--kv-evict-budget", str(budget),
                      "--kv-evict-window", str(window), "--kv-evict-seed", str(eviction_seed(self.a))]
                     + request_limit_flags(self.a) + self.gates_flags())
         (setting,) = {x.setting for x in arms}

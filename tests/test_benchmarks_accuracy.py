@@ -222,3 +222,20 @@ def test_tf_pairs_name_trimkv_arms_by_their_gates_when_two_gates_ran():
     # one gates file: the label stays the plain policy name
     one = {k: v for k, v in sums.items() if "bbbb" not in k}
     assert "vase-attnv vs trimkv @T=64" in acc.tf_pairs(fields, one, boot_iters=200)
+
+
+def test_a_small_main_budget_still_starts_a_valid_server():
+    """--budget 32 (short answers) beside the sweep's budget 192 (window 48): the one
+    per-request server used to get budget 32 with window 48, and refused to start."""
+    from types import SimpleNamespace
+
+    from vase_sglang.config import EvictionConfig
+
+    a = acc.parse_args(["run", "--model-path", "M", "--budget", "32", "--window", "8"])
+    flags = acc.Harness.server_flags(SimpleNamespace(a=a, mode="per-request", gates_flags=list),
+                                     acc.stage_arms("greedy", a))
+    budget = int(flags[flags.index("--kv-evict-budget") + 1])
+    window = int(flags[flags.index("--kv-evict-window") + 1])
+    EvictionConfig(policy="vase-attnv", budget=budget, window=window)  # the server's own check
+    # the requests' own settings stay within the server's per-request limits
+    assert int(flags[flags.index("--kv-evict-max-budget") + 1]) >= budget
