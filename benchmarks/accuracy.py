@@ -528,8 +528,8 @@ class Harness:
         forced = {p["pid"]: self.records.get(full, p["pid"])["output_ids"] for p in probs}
         # records unpacked from the committed compact copy have no top-k reference (dropped to
         # keep it small): replay the full cache again for those problems, so new arms can run
-        stale = [p for p in probs if "ref_ids" not in (self.records.get(full_tf, p["pid"]) or
-                                                         {"ref_ids": None})]
+        stale = [p for p in probs if (row := self.records.get(full_tf, p["pid"])) is not None
+                 and "ref_ids" not in row]
         if stale:
             print(f"{name}: {len(stale)} full-cache replays lack their top-k reference (a "
                   "compact copy's records): replaying them again", file=sys.stderr)
