@@ -349,9 +349,10 @@ def make_data(model, tok, cfg: "TrainConfig", out: Path, progress, log=print) ->
         # times the rest (a batch of short answers would promise far too little)
         if not estimated and longest >= cfg.gen_tokens and k + 1 < len(batches):
             estimated = True
-            left = (time.time() - started) * (len(batches) - k - 1)
-            log(f"data: at most about {left / 60:.0f} min left ({time.time() - started:.0f} s "
-                f"for a batch of {cfg.gen_tokens}-token answers)")
+            took = time.time() - started
+            left = took * (len(batches) - k - 1)
+            log(f"data: at most about {left / 60:.0f} min left ({took:.0f} s for a batch of "
+                f"{cfg.gen_tokens}-token answers)")
     data = {"stamp": stamp, "sequences": seqs, "families": [f for f, _ in prompts],
             "prompt_lengths": [len(ids) for _, ids in prompts]}
     tmp = path.with_name("data.json.tmp")
