@@ -54,8 +54,12 @@ def _requests(total, n_shared, n_abort):
         reqs.append(dict(kind="plain", ids=ids, n=rng.randrange(1, 49),
                          kv=VARIANTS[i % len(VARIANTS)]))
     rng.shuffle(reqs)
+    # SGLang's /abort_request aborts every request whose rid *starts with* the given one, so
+    # aborting "stress-1" would also abort "stress-10".."stress-199": fixed-width rids.
     for i, r in enumerate(reqs):
-        r["rid"] = f"stress-{i}"
+        r["rid"] = f"stress-{i:04d}"
+    rids = [r["rid"] for r in reqs]
+    assert not [a for a in rids for b in rids if a != b and b.startswith(a)]
     return reqs
 
 
