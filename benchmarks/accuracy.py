@@ -19,7 +19,9 @@ skipped on resume):
           differences of vase-attnv against every other arm at the same budget
   curve   teacher-forced budget curve: --curve-policies at the --curve budgets (window =
           budget/4), --curve-n problems; budget_curve.png (KL and top-1 vs compression)
-  sweep   greedy at the other --sweep budgets for every evicting policy, --sweep-n
+  sweep   greedy at the other --sweep budgets (window = budget/4) for every evicting policy
+          and plain trimkv (with --retention-gates), --sweep-n problems: the accuracy side of
+          the budget frontier (benchmarks/frontier.py)
   sample  every policy at the main budget with temperature 0.6, top-p 0.95, --sample-n
 
 Serving: if the plugin has per-request control (patches/request_control.py), ONE server started
@@ -230,7 +232,9 @@ def stage_arms(stage: str, a) -> list[Arm]:
                 continue
             w = window_for(b)
             arms += [Arm(p, b, w) for p in POLICIES[1:] if keep(p)]
-            arms += [Arm("vase-attnv", b, w, value_slots=0)] if keep("vase-attnv") else []
+            # plain TRIM-KV with the gates; no ablations here: greedy answers on 100 problems
+            # do not separate them (docs/accuracy.md), the teacher-forced stages do
+            arms += retention_arms(a, b, w)[:1] if keep("trimkv") else []
         return arms
     if stage == "sample":
         return [Arm(x.policy, x.budget, x.window, x.value_slots, decoding="sample")

@@ -153,13 +153,14 @@ def _check_and_resume(h, a, out):
     arms = {r["arm"] for r in rows}
     # greedy: 8 policies + the value_slots=0 ablation + trimkv and its hybrid (the gates);
     # tf: the same 11; curve: budgets 8 and 12 for 2 policies (16 is tf's); sweep: budget 12
-    # for the 7 evicting policies + ablation; sampling: 8 policies
+    # for the 7 evicting policies + plain trimkv (no ablation); sampling: 8 policies
     assert len([x for x in arms if x.endswith(":greedy")]) == 11 + 8
     assert len([x for x in arms if x.endswith(":tf")]) == 11 + 4
     assert len([x for x in arms if x.endswith(":sample")]) == 8
     assert len(rows) == 11 * 2 + 11 * 2 + 4 * 1 + 8 * 1 + 8 * 1
     gid = acc.gates_id(a.retention_gates)
     assert {f"trimkv@16/w4/g{gid}:greedy", f"trimkv@16/w4/nv4/g{gid}:greedy:tf"} <= arms
+    assert f"trimkv@12/w4/g{gid}:greedy" in arms and "vase-attnv@12/w4/nv0:greedy" not in arms
 
     full = {r["pid"]: r for r in rows if r["arm"] == "full:greedy"}
     long_evicting = 0
