@@ -1,0 +1,208 @@
+"""The budget frontier a user chooses T from: greedy accuracy against server throughput.
+
+Joins two benchmarks' records, nothing is run here:
+- accuracy: `benchmarks/accuracy.py` summary.json (greedy arms of the main budget and of the
+  `sweep` stage: one point per policy and budget T, window R = T/4, Wilson 95% interval);
+- throughput: `benchmarks/concurrency_scaling.py` runs.jsonl of one or more folders, all at one
+  workload (model, pool, prompt and output length, requests, client concurrency): per budget
+  the policy's own `<policy>@N` runs where measured, else the budget's `--throughput-policy`
+  runs (the admission bound, hence the running requests, depends on T and R only; at T = 128
+  the policies' throughputs lie within 6 % of each other, docs/admission.md). The full cache
+  (`full@N`, same pool) and the ceiling (stock SGLang with a pool for every request) are
+  reference points at the full cache's accuracy.
+
+    python benchmarks/frontier.py --accuracy docs/results/accuracy \\
+        --concurrency docs/results/concurrency_real docs/results/concurrency_budgets \\
+        --out docs/results/frontier
+
+Writes frontier.json, frontier.md and frontier.png. "Smallest T within the full cache's
+interval": per policy, the smallest measured T whose accuracy lies inside the full cache's
+Wilson 95% interval (a screening rule for a user, not a test of equivalence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+WORKLOAD = ("model_path", "max_total_tokens", "input_len", "output_len", "num_prompts", "dtype")
+DEFAULT_POLICIES = ["vase-attnv", "vase-dkv", "snapkv", "trimkv"]
+
+
+def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tuple[dict, list]:
+    """(the full cache's greedy entry, [greedy entries of the policies, plain settings only]).
+    trimkv arms are those of `gates` (a gates id) when given; more than one gates id without
+    it is refused, as their points would be mixed."""
+    gen = summary["generation"]
+    full = gen["full:greedy"]
+    points = []
+    trim_gates = set()
+    for name, g in gen.items():
+        if g["decoding"] != "greedy" or g["policy"] not in policies or g["value_slots"] is not None:
+            continue
+        if g["policy"] == "trimkv":
+            gid = name.split("/g")[-1].split(":")[0]
+            if gates and gid != gates:
+                continue
+            trim_gates.add(gid)
+            g = {**g, "gates": gid}
+        points.append({k: g[k] for k in ("policy", "budget", "window", "n", "correct",
+                                         "accuracy", "wilson95")} | (
+            {"gates": g["gates"]} if "gates" in g else {}))
+    if len(trim_gates) > 1:
+        raise SystemExit(f"trimkv arms of several gates files ({', '.join(sorted(trim_gates))}): "
+                         "name one with --gates")
+    return full, sorted(points, key=lambda p: (p["policy"], p["budget"]))
+
+
+def throughput_runs(folders: list[Path]) -> tuple[dict, dict]:
+    """({(arm, budget, window): [rows]}, the workload they share) from runs.jsonl files; runs of
+    another workload than the first folder's first run are refused."""
+    runs, workload = defaultdict(list), None
+    for folder in folders:
+        for line in (folder / "runs.jsonl").read_text().splitlines():
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            s, row = rec["settings"], rec["row"]
+            w = {k: s.get(k) for k in WORKLOAD} | {"concurrency": row["concurrency"],
+                                                   "page_size": row.get("page_size", 1)}
+            if " " in row["arm"]:  # another KV dtype's arm ("vase-attnv@N fp8_e4m3")
+                continue
+            workload = workload or w
+            if w != workload:
+                raise SystemExit(f"{folder}: a run of another workload ({w}) than the first "
+                                 f"({workload}); the frontier compares one workload")
+            key = (row["arm"], 0, 0) if not row["arm"].endswith("@N") or row["arm"] == "full@N" \
+                else (row["arm"], s["budget"], s["window"])
+            runs[key].append(row)
+    return dict(runs), workload or {}
+
+
+def summarise(rows: list[dict]) -> dict:
+    tps = [r["output_throughput"] for r in rows]
+    return {"throughput": statistics.median(tps), "throughput_range": [min(tps), max(tps)],
+            "runs": len(rows), "mean_running": statistics.median(r["mean_running"] for r in rows),
+            "peak_running": max(r["peak_running"] for r in rows),
+            "bound": rows[0].get("bound")}
+
+
+def build(summary: dict, runs: dict, workload: dict, policies: list[str], gates: str | None,
+          throughput_policy: str) -> dict:
+    full_acc, points = accuracy_points(summary, policies, gates)
+    out_points = []
+    for p in points:
+        own = runs.get((f"{p['policy']}@N", p["budget"], p["window"]))
+        proxy = runs.get((f"{throughput_policy}@N", p["budget"], p["window"]))
+        rows, measured_with = (own, p["policy"]) if own else (proxy, throughput_policy)
+        t = summarise(rows) if rows else None
+        out_points.append(p | {"throughput_measured_with": measured_with if t else None,
+                               **(t or {})})
+    refs = {}
+    for name, key in (("full", ("full@N", 0, 0)), ("ceiling", ("ceiling", 0, 0))):
+        if key in runs:
+            refs[name] = summarise(runs[key]) | {
+                k: full_acc[k] for k in ("n", "correct", "accuracy", "wilson95")}
+    lo, hi = full_acc["wilson95"]
+    choose = {}
+    for policy in sorted({p["policy"] for p in points}):
+        inside = [p["budget"] for p in points
+                  if p["policy"] == policy and lo <= p["accuracy"] <= hi]
+        choose[policy] = min(inside) if inside else None
+    return {"workload": workload, "full_cache_accuracy": {k: full_acc[k] for k in (
+        "n", "correct", "accuracy", "wilson95")}, "references": refs, "points": out_points,
+        "smallest_budget_within_full_interval": choose}
+
+
+def table(res: dict) -> str:
+    lines = ["| policy | T / R | greedy accuracy [95% Wilson] | output tok/s [range] | runs "
+             "| mean / peak running | throughput measured with |", "|---|---|---|---|---|---|---|"]
+    for name, r in res["references"].items():
+        lines.append(f"| {name} cache | – | {r['correct']}/{r['n']} = {r['accuracy']:.2f} "
+                     f"[{r['wilson95'][0]:.2f}, {r['wilson95'][1]:.2f}] | {r['throughput']:.1f} "
+                     f"[{r['throughput_range'][0]:.1f}–{r['throughput_range'][1]:.1f}] | "
+                     f"{r['runs']} | {r['mean_running']:.1f} / {r['peak_running']} | – |")
+    for p in res["points"]:
+        tp = (f"{p['throughput']:.1f} [{p['throughput_range'][0]:.1f}–"
+              f"{p['throughput_range'][1]:.1f}] | {p['runs']} | {p['mean_running']:.1f} / "
+              f"{p['peak_running']} | {p['throughput_measured_with']}"
+              if p.get("throughput") is not None else "not measured | – | – | –")
+        name = p["policy"] + (f" (gates {p['gates']})" if p.get("gates") else "")
+        lines.append(f"| {name} | {p['budget']} / {p['window']} | {p['correct']}/{p['n']} = "
+                     f"{p['accuracy']:.2f} [{p['wilson95'][0]:.2f}, {p['wilson95'][1]:.2f}] "
+                     f"| {tp} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    policies = sorted({p["policy"] for p in res["points"]})
+    offsets = {pol: (i - (len(policies) - 1) / 2) * 0.012 for i, pol in enumerate(policies)}
+    for i, pol in enumerate(policies):
+        pts = sorted((p for p in res["points"] if p["policy"] == pol and p.get("throughput")),
+                     key=lambda p: p["budget"])
+        if not pts:
+            continue
+        # same-budget points share a throughput: spread them a little sideways to see each
+        xs = [p["throughput"] * (1 + offsets[pol]) for p in pts]
+        ys = [p["accuracy"] for p in pts]
+        err = [[p["accuracy"] - p["wilson95"][0] for p in pts],
+               [p["wilson95"][1] - p["accuracy"] for p in pts]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=pol, color=f"C{i}")
+        for x, y, p in zip(xs, ys, pts):
+            ax.annotate(f"T={p['budget']}", (x, y), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7, color=f"C{i}")
+    lo, hi = res["full_cache_accuracy"]["wilson95"]
+    ax.axhspan(lo, hi, color="0.85", zorder=0, label="full cache, 95% interval")
+    for name, marker in (("full", "s"), ("ceiling", "D")):
+        r = res["references"].get(name)
+        if r:
+            ax.errorbar([r["throughput"]], [r["accuracy"]], marker=marker, color="k",
+                        ls="none", label=f"{name} cache")
+    w = res["workload"]
+    ax.set_xscale("log")
+    ax.set_xlabel(f"output tok/s (pool {w.get('max_total_tokens')}, {w.get('num_prompts')} x "
+                  f"{w.get('input_len')} in / {w.get('output_len')} out, concurrency "
+                  f"{w.get('concurrency')})")
+    ax.set_ylabel("greedy accuracy")
+    ax.set_title("What each budget T buys (throughput) and costs (answers)")
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--accuracy", required=True, help="accuracy.py --out folder (summary.json)")
+    ap.add_argument("--concurrency", nargs="+", required=True,
+                    help="concurrency_scaling.py --out folders (runs.jsonl), one workload")
+    ap.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES)
+    ap.add_argument("--gates", help="gates id of the trimkv arms (needed when several)")
+    ap.add_argument("--throughput-policy", default="vase-attnv",
+                    help="whose runs give a budget's throughput where a policy has none")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    summary = json.loads((Path(a.accuracy) / "summary.json").read_text())
+    runs, workload = throughput_runs([Path(x) for x in a.concurrency])
+    res = build(summary, runs, workload, a.policies, a.gates, a.throughput_policy)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "frontier.json").write_text(json.dumps(res, indent=1))
+    (out / "frontier.md").write_text(table(res))
+    plot(res, out / "frontier.png")
+    print(table(res))
+    print("smallest T within the full cache's interval:", res["smallest_budget_within_full_interval"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

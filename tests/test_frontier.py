@@ -1,0 +1,124 @@
+"""benchmarks/frontier.py: the join of accuracy records and concurrency runs (no server: both
+inputs are written here in the formats the two benchmarks write)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+
+from benchmarks import accuracy_stats as st  # noqa: E402
+from benchmarks import frontier  # noqa: E402
+
+WORKLOAD = {"model_path": "/m", "max_total_tokens": 2048, "input_len": 64, "output_len": 512,
+            "num_prompts": 16, "dtype": "float32", "seed": 1}
+
+
+def _gen(policy, budget, correct, n=100, value_slots=None, gates=None):
+    name = "full:greedy" if policy == "full" else (
+        f"{policy}@{budget}/w{budget // 4}" + (f"/nv{value_slots}" if value_slots is not None
+                                              else "") + (f"/g{gates}" if gates else "")
+        + ":greedy")
+    return name, {"policy": policy, "budget": budget, "window": budget // 4,
+                  "value_slots": value_slots, "decoding": "greedy", "kind": "gen",
+                  "n": n, "correct": correct, "accuracy": correct / n,
+                  "wilson95": list(st.wilson(correct, n))}
+
+
+def _summary(*entries):
+    return {"generation": dict(entries)}
+
+
+def _run(arm, budget, tps, running, concurrency=16, **workload):
+    settings = WORKLOAD | {"budget": budget, "window": budget // 4} | workload
+    return {"settings": settings, "row": {
+        "arm": arm, "concurrency": concurrency, "page_size": 1, "output_throughput": tps,
+        "mean_running": running, "peak_running": int(running) + 1, "bound": 7.9}}
+
+
+def _write_runs(folder: Path, runs):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    return folder
+
+
+def test_points_take_their_own_runs_else_the_budget_proxy_and_the_smallest_t_is_chosen(tmp_path):
+    summary = _summary(_gen("full", 0, 21), _gen("vase-attnv", 32, 5), _gen("vase-attnv", 64, 13),
+                       _gen("vase-attnv", 128, 20), _gen("snapkv", 128, 30),
+                       _gen("snapkv", 32, 9), _gen("vase-attnv", 64, 12, value_slots=0),
+                       _gen("streaming", 128, 25))
+    a = _write_runs(tmp_path / "a", [
+        _run("full@N", 128, 7.0, 2.7), _run("full@N", 128, 7.2, 2.7),
+        _run("vase-attnv@N", 128, 15.3, 5.3), _run("snapkv@N", 128, 14.0, 5.3),
+        _run("ceiling", 128, 32.0, 16), _run("vase-attnv@N fp8_e4m3", 128, 1.0, 1)])
+    b = _write_runs(tmp_path / "b", [_run("vase-attnv@N", 32, 30.0, 16),
+                                     _run("vase-attnv@N", 64, 25.0, 13)])
+    runs, workload = frontier.throughput_runs([a, b])
+    res = frontier.build(summary, runs, workload, ["vase-attnv", "snapkv"], None, "vase-attnv")
+    pts = {(p["policy"], p["budget"]): p for p in res["points"]}
+    # the ablation (value_slots=0) and unlisted policies are not points
+    assert set(pts) == {("vase-attnv", 32), ("vase-attnv", 64), ("vase-attnv", 128),
+                        ("snapkv", 32), ("snapkv", 128)}
+    assert pts[("snapkv", 128)]["throughput"] == 14.0  # its own run at that budget
+    assert pts[("snapkv", 128)]["throughput_measured_with"] == "snapkv"
+    assert pts[("snapkv", 32)]["throughput"] == 30.0  # the budget's vase-attnv run
+    assert pts[("snapkv", 32)]["throughput_measured_with"] == "vase-attnv"
+    assert res["references"]["full"]["throughput"] == pytest.approx(7.1)
+    assert res["references"]["full"]["throughput_range"] == [7.0, 7.2]
+    assert res["references"]["ceiling"]["accuracy"] == 0.21
+    # full 21/100: Wilson [0.14, 0.30]; 13/100 lies below it, 20/100 inside, 30/100 above
+    assert res["smallest_budget_within_full_interval"] == {"vase-attnv": 128, "snapkv": None}
+    md = frontier.table(res)
+    assert "| vase-attnv | 32 / 8 | 5/100 = 0.05" in md and "fp8" not in md
+
+
+def test_a_budget_without_runs_is_a_point_without_throughput(tmp_path):
+    summary = _summary(_gen("full", 0, 21), _gen("vase-dkv", 192, 20))
+    runs, workload = frontier.throughput_runs([_write_runs(tmp_path / "a", [
+        _run("full@N", 128, 7.0, 2.7)])])
+    res = frontier.build(summary, runs, workload, ["vase-dkv"], None, "vase-attnv")
+    assert res["points"][0].get("throughput") is None
+    assert "not measured" in frontier.table(res)
+
+
+def test_another_workload_is_refused(tmp_path):
+    a = _write_runs(tmp_path / "a", [_run("full@N", 128, 7.0, 2.7)])
+    b = _write_runs(tmp_path / "b", [_run("vase-attnv@N", 32, 30.0, 16, max_total_tokens=4096)])
+    with pytest.raises(SystemExit, match="another workload"):
+        frontier.throughput_runs([a, b])
+    c = _write_runs(tmp_path / "c", [_run("vase-attnv@N", 32, 30.0, 8, concurrency=8)])
+    with pytest.raises(SystemExit, match="another workload"):
+        frontier.throughput_runs([a, c])
+
+
+def test_trimkv_points_of_one_gates_file(tmp_path):
+    summary = _summary(_gen("full", 0, 21), _gen("trimkv", 64, 25, gates="aaaa1111"),
+                       _gen("trimkv", 64, 22, gates="bbbb2222"),
+                       _gen("trimkv", 64, 24, value_slots=16, gates="aaaa1111"))
+    runs, workload = frontier.throughput_runs([_write_runs(tmp_path / "a", [
+        _run("vase-attnv@N", 64, 25.0, 13)])])
+    with pytest.raises(SystemExit, match="several gates"):
+        frontier.build(summary, runs, workload, ["trimkv"], None, "vase-attnv")
+    res = frontier.build(summary, runs, workload, ["trimkv"], "aaaa1111", "vase-attnv")
+    assert [(p["gates"], p["correct"]) for p in res["points"]] == [("aaaa1111", 25)]
+
+
+def test_cli_writes_json_table_and_png(tmp_path):
+    acc = tmp_path / "acc"
+    acc.mkdir()
+    (acc / "summary.json").write_text(json.dumps(_summary(
+        _gen("full", 0, 21), _gen("vase-attnv", 32, 8), _gen("vase-attnv", 128, 19))))
+    conc = _write_runs(tmp_path / "conc", [
+        _run("full@N", 128, 7.0, 2.7), _run("vase-attnv@N", 128, 15.3, 5.3),
+        _run("vase-attnv@N", 32, 30.0, 16), _run("ceiling", 128, 32.0, 16)])
+    out = tmp_path / "out"
+    assert frontier.main(["--accuracy", str(acc), "--concurrency", str(conc),
+                          "--out", str(out)]) == 0
+    res = json.loads((out / "frontier.json").read_text())
+    assert res["smallest_budget_within_full_interval"] == {"vase-attnv": 128}
+    assert (out / "frontier.png").stat().st_size > 10_000
+    assert (out / "frontier.md").read_text().startswith("| policy |")
