@@ -58,9 +58,10 @@ def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tu
     return full, sorted(points, key=lambda p: (p["policy"], p["budget"]))
 
 
-def throughput_runs(folders: list[Path]) -> tuple[dict, dict]:
+def throughput_runs(folders: list[Path], gates: str | None = None) -> tuple[dict, dict]:
     """({(arm, budget, window): [rows]}, the workload they share) from runs.jsonl files; runs of
-    another workload than the first folder's first run are refused."""
+    another workload than the first folder's first run are refused; with `gates` (an id, the
+    start of its SHA-256) only the trimkv runs of that gates file."""
     runs, workload = defaultdict(list), None
     for folder in folders:
         for line in (folder / "runs.jsonl").read_text().splitlines():
@@ -71,6 +72,9 @@ def throughput_runs(folders: list[Path]) -> tuple[dict, dict]:
             w = {k: s.get(k) for k in WORKLOAD} | {"concurrency": row["concurrency"],
                                                    "page_size": row.get("page_size", 1)}
             if " " in row["arm"]:  # another KV dtype's arm ("vase-attnv@N fp8_e4m3")
+                continue
+            if gates and row["arm"].startswith("trimkv") and not (
+                    row.get("gates_sha256") or "").startswith(gates):
                 continue
             workload = workload or w
             if w != workload:
@@ -192,7 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     summary = json.loads((Path(a.accuracy) / "summary.json").read_text())
-    runs, workload = throughput_runs([Path(x) for x in a.concurrency])
+    runs, workload = throughput_runs([Path(x) for x in a.concurrency], a.gates)
     res = build(summary, runs, workload, a.policies, a.gates, a.throughput_policy)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -99,8 +99,13 @@ def test_trimkv_points_of_one_gates_file(tmp_path):
     summary = _summary(_gen("full", 0, 21), _gen("trimkv", 64, 25, gates="aaaa1111"),
                        _gen("trimkv", 64, 22, gates="bbbb2222"),
                        _gen("trimkv", 64, 24, value_slots=16, gates="aaaa1111"))
-    runs, workload = frontier.throughput_runs([_write_runs(tmp_path / "a", [
-        _run("vase-attnv@N", 64, 25.0, 13)])])
+    old, new = _run("trimkv@N", 64, 9.0, 13), _run("trimkv@N", 64, 26.0, 13)
+    old["row"]["gates_sha256"], new["row"]["gates_sha256"] = "bbbb2222ff", "aaaa1111ff"
+    folder = _write_runs(tmp_path / "a", [_run("vase-attnv@N", 64, 25.0, 13), old, new])
+    runs, workload = frontier.throughput_runs([folder])
+    assert len(runs[("trimkv@N", 64, 16)]) == 2
+    runs, workload = frontier.throughput_runs([folder], "aaaa1111")
+    assert [r["output_throughput"] for r in runs[("trimkv@N", 64, 16)]] == [26.0]
     with pytest.raises(SystemExit, match="several gates"):
         frontier.build(summary, runs, workload, ["trimkv"], None, "vase-attnv")
     res = frontier.build(summary, runs, workload, ["trimkv"], "aaaa1111", "vase-attnv")
