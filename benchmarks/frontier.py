@@ -40,18 +40,16 @@ def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tu
     full = gen["full:greedy"]
     points = []
     trim_gates = set()
-    for name, g in gen.items():
+    for g in gen.values():
         if g["decoding"] != "greedy" or g["policy"] not in policies or g["value_slots"] is not None:
             continue
         if g["policy"] == "trimkv":
-            gid = name.split("/g")[-1].split(":")[0]
-            if gates and gid != gates:
+            if gates and g["gates"] != gates:
                 continue
-            trim_gates.add(gid)
-            g = {**g, "gates": gid}
+            trim_gates.add(g["gates"])
         points.append({k: g[k] for k in ("policy", "budget", "window", "n", "correct",
                                          "accuracy", "wilson95")} | (
-            {"gates": g["gates"]} if "gates" in g else {}))
+            {"gates": g["gates"]} if g.get("gates") else {}))
     if len(trim_gates) > 1:
         raise SystemExit(f"trimkv arms of several gates files ({', '.join(sorted(trim_gates))}): "
                          "name one with --gates")

@@ -25,6 +25,7 @@ def _gen(policy, budget, correct, n=100, value_slots=None, gates=None):
         + ":greedy")
     return name, {"policy": policy, "budget": budget, "window": budget // 4,
                   "value_slots": value_slots, "decoding": "greedy", "kind": "gen",
+                  "gates": gates or "",
                   "n": n, "correct": correct, "accuracy": correct / n,
                   "wilson95": list(st.wilson(correct, n))}
 
