@@ -615,7 +615,9 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
     return arms
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked, with the defaults resolved (dtype, model path): also how
+    benchmarks/length_scaling.py finds the records of its per-length runs."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="model directory (default: the tiny local test model)")
     ap.add_argument("--max-total-tokens", type=int, default=4096, help="N, the pool of the @N arms")
@@ -678,6 +680,11 @@ def main(argv=None) -> int:
     if evicting_arms and args.window < max(args.page_size):
         ap.error(f"--window {args.window} must be >= every --page-size (the server refuses a "
                  "window below one page)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
