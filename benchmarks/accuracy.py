@@ -6,7 +6,9 @@
     python benchmarks/accuracy.py export-gsm8k --n 200 --out gsm_symbolic.jsonl
 
 Problems come from reasoning-gym (offline, fixed seed): `gsm_symbolic` (GSM8K templates with
-new numbers) or `chain_sum`. The export writes GSM8K-format jsonl ({"question", "answer":
+new numbers) or `chain_sum`. `--task champ` replays, teacher-forced (stages tf and curve),
+long solutions other models wrote to CHAMP's competition problems instead of the full cache's
+own output (benchmarks/recorded_texts.py). The export writes GSM8K-format jsonl ({"question", "answer":
 cot + "\\n#### N"}) for `python -m sglang.test.few_shot_gsm8k --data-path FILE`.
 
 Stages of `run` (--stages, default greedy,tf,curve; each appends to records.jsonl and is
@@ -109,8 +111,8 @@ PROMPT = "{q}\n" + _answers.ANSWER_INSTRUCTION
 
 def prompt_ids(tok, prob: dict) -> list[int]:
     """A problem's prompt tokens: the question and the answer instruction through the model's
-    chat template."""
-    msgs = [{"role": "user", "content": PROMPT.format(q=prob["question"])}]
+    chat template; a recorded text's own conversation (`messages`) where it has one."""
+    msgs = prob.get("messages") or [{"role": "user", "content": PROMPT.format(q=prob["question"])}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"]
 
@@ -217,9 +219,12 @@ def stage_arms(stage: str, a) -> list[Arm]:
         return not kept or policy == "full" or policy in kept
 
     main = [Arm("full")] + [Arm(p, a.budget, a.window) for p in POLICIES[1:] if keep(p)]
+    ablations = not getattr(a, "no_ablations", False)
     ablation = ([Arm("vase-attnv", a.budget, a.window, value_slots=0)]
-                if keep("vase-attnv") else [])
+                if keep("vase-attnv") and ablations else [])
     learned = retention_arms(a, a.budget, a.window) if keep("trimkv") else []
+    if not ablations:
+        learned = learned[:1]  # plain trimkv, not the hybrid
     if stage == "greedy":
         return main + ablation + learned
     if stage == "tf":
@@ -499,6 +504,11 @@ class Harness:
 
     # stages ----------------------------------------------------------------
     def problems(self, n: int) -> list[dict]:
+        if self.a.task == "champ":  # recorded texts at least as long as the replay
+            from benchmarks.recorded_texts import champ_texts
+
+            return champ_texts(self.tok, n, self.a.seed, self.a.max_new_tokens,
+                               self.a.champ_model, self.a.champ_file)
         return load_problems(self.a.task, n, self.a.seed)
 
     def interleave(self, arms: list[Arm], probs: list[dict]) -> list:
@@ -524,12 +534,21 @@ class Harness:
         else:
             raise ValueError(f"--stages: unknown stage {name!r}")
 
+    def forced_ids(self, prob: dict) -> list[int]:
+        """A recorded text's first --max-new-tokens tokens (the tokenizer's, no special ones)."""
+        ids = self.tok(prob["text"], add_special_tokens=False)["input_ids"]
+        return ids[: self.a.max_new_tokens]
+
     def teacher_forced(self, name: str, arms: list[Arm], probs: list[dict]) -> None:
-        """Replay the full cache's greedy output under the full cache (the reference top-k)
-        and then under each evicting arm."""
+        """Replay the full cache's greedy output (or the problem's recorded text, --task
+        champ) under the full cache (the reference top-k) and then under each evicting arm."""
         full, full_tf = Arm("full"), Arm("full", kind="tf")
-        self.run_jobs(self.interleave([full], probs), f"{name} (full greedy)")
-        forced = {p["pid"]: self.records.get(full, p["pid"])["output_ids"] for p in probs}
+        recorded = [p for p in probs if "text" in p]
+        self.run_jobs(self.interleave([full], [p for p in probs if "text" not in p]),
+                      f"{name} (full greedy)")
+        forced = {p["pid"]: self.forced_ids(p) for p in recorded}
+        forced |= {p["pid"]: self.records.get(full, p["pid"])["output_ids"]
+                   for p in probs if "text" not in p}
         # records unpacked from the committed compact copy have no top-k reference (dropped to
         # keep it small): replay the full cache again for those problems, so new arms can run
         stale = [p for p in probs if (row := self.records.get(full_tf, p["pid"])) is not None
@@ -1034,7 +1053,18 @@ def parse_args(argv=None):
     def common(p):
         p.add_argument("--model-path", required=True)
         p.add_argument("--out", default="results/accuracy")
-        p.add_argument("--task", default="gsm_symbolic", choices=["gsm_symbolic", "chain_sum"])
+        p.add_argument("--task", default="gsm_symbolic",
+                       choices=["gsm_symbolic", "chain_sum", "champ"],
+                       help="reasoning-gym problems, or champ: long solutions other models wrote "
+                            "to CHAMP's competition problems (benchmarks/recorded_texts.py), "
+                            "replayed teacher-forced (stages tf and curve only), their first "
+                            "--max-new-tokens tokens")
+        p.add_argument("--champ-model", default="GPT-4 Turbo",
+                       help="--task champ: whose recorded solutions (GPT-4 Turbo, GPT-4, "
+                            "GPT-3.5, PaLM 2 Medium)")
+        p.add_argument("--champ-file", default=None,
+                       help="--task champ: the dataset file (default: the installed "
+                            "champ-dataset's v0.json)")
         p.add_argument("--seed", type=int, default=123,
                        help="problem seed (reasoning-gym), and the eviction seed unless "
                             "--eviction-seed is given")
@@ -1079,6 +1109,9 @@ def parse_args(argv=None):
     r.add_argument("--sample-n", type=int, default=100)
     r.add_argument("--concurrency", type=int, default=64)
     r.add_argument("--boot-iters", type=int, default=10000)
+    r.add_argument("--no-ablations", action="store_true",
+                   help="greedy and tf stages without the ablations (vase-attnv with "
+                        "value_slots=0, the trimkv + value slots hybrid)")
 
     t = sub.add_parser("throughput")
     common(t)
@@ -1123,6 +1156,15 @@ def parse_args(argv=None):
         if a.retention_gates and not Path(a.retention_gates).is_file():
             ap.error(f"--retention-gates: no such file: {a.retention_gates}")
         a.gates_id = gates_id(a.retention_gates) if a.retention_gates else ""  # hashed once
+    if getattr(a, "task", None) == "champ":
+        if a.cmd == "throughput":
+            ap.error("--task champ has no problems to answer: use gsm_symbolic or chain_sum")
+        if a.cmd == "run":
+            other = [x for x in a.stages.split(",")
+                     if x and x.partition(":")[0] not in ("tf", "curve")]
+            if other:
+                ap.error(f"--task champ replays recorded texts: stages tf and curve only, not "
+                         f"{', '.join(other)}")
     return a
 
 
@@ -1141,7 +1183,8 @@ def eviction_seed(a) -> int:
 
 
 # what a record means beyond its arm name: a resumed run must not mix records made otherwise
-RUN_IDENTITY = ("task", "seed", "eviction_seed", "dtype", "server_args", "max_new_tokens")
+RUN_IDENTITY = ("task", "seed", "eviction_seed", "dtype", "server_args", "max_new_tokens",
+                "champ_model", "champ_file")
 
 
 def check_resume(out: Path, a) -> None:
@@ -1167,9 +1210,10 @@ def run_stages(h: Harness) -> dict:
     a, out = h.a, h.out
     check_resume(out, a)
     sizes = [int(x.partition(":")[2]) for x in a.stages.split(",") if x.partition(":")[2]]
-    export_gsm8k(load_problems(a.task, max([a.n, a.tf_n, a.curve_n, a.sweep_n, a.sample_n,
-                                            *sizes]), a.seed),
-                 out / f"{a.task}.gsm8k.jsonl")
+    if a.task != "champ":  # recorded texts, not problems with a GSM8K answer
+        export_gsm8k(load_problems(a.task, max([a.n, a.tf_n, a.curve_n, a.sweep_n, a.sample_n,
+                                                *sizes]), a.seed),
+                     out / f"{a.task}.gsm8k.jsonl")
     cfg = {**vars(a), "serving": h.mode}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     with open(out / "runs.jsonl", "a") as f:  # config.json is the latest run; this is every run

@@ -48,7 +48,7 @@ if [ "$FLAVOR" = cpu ]; then
 else
   pip_install -e ".[test]"
   # real models and data, listed in requirements-cpu.txt for the CPU path
-  pip_install gguf accelerate==1.15.0 reasoning-gym==0.1.25 smg==1.13.0
+  pip_install gguf accelerate==1.15.0 reasoning-gym==0.1.25 champ-dataset==1.0.0 smg==1.13.0
 fi
 "$VENV/bin/python" -c "import sglang, torch, vase_sglang, vase_sglang_patches; print('[bootstrap] sglang', sglang.__version__, 'torch', torch.__version__)" >&2
 echo "$KEY" > "$STAMP"
