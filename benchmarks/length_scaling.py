@@ -5,13 +5,16 @@ length) and one client concurrency, every output length L of --lengths runs
 `benchmarks/concurrency_scaling.py` with the full cache (`full@N`) and each policy of --policies
 at budget T / window R (`<policy>@N`), in its own folder `--out/L<L>` (records resumable there:
 a run cut short loses at most the run in progress). Then, per length: output tok/s, mean and
-peak running requests, ITL, and the ratio of each policy to the full cache, split into its two
+peak running requests, the mean time of a decode step (the run's wall time over its decode
+steps, prefills included) and the ratio of each policy to the full cache, split into its two
 factors,
 
-    tok/s ~= mean running / step time  =>  ratio ~= (running ratio) x (full ITL / policy ITL),
+    tok/s ~= mean running / mean step time  =>  ratio ~= (running ratio) x (step speed ratio),
 
-so the table says whether a ratio comes from more requests at once or from faster (shorter-cache)
-steps. Writes length_scaling.json, length_scaling.md and length_scaling.png (ratio against
+(exact but for the first token of each request, which its prefill makes), so the table says
+whether a ratio comes from more requests at once or from faster (shorter-cache) steps. ITL is
+reported too, but it is a per-token median: with waves of unequal size it describes the large
+wave only. Writes length_scaling.json, length_scaling.md and length_scaling.png (ratio against
 length) in --out.
 
     python benchmarks/length_scaling.py --model-path DIR --plan       # decode steps per arm, time
@@ -85,12 +88,20 @@ def length_rows(args) -> dict[int, list[dict]]:
     return out
 
 
+def step_seconds(row: dict) -> float:
+    """A run's mean time per decode step: wall time over the decode steps it logged."""
+    return row["duration"] / row["decode_steps"]
+
+
 def summarize(by_length: dict[int, list[dict]], policies: list[str]) -> list[dict]:
     """Per length: each arm's figures (median and range over the repeats) and each policy's ratio
     to the full cache with its two factors (the medians' quotient; range over the runs)."""
     table = []
     for length in sorted(by_length):
         agg = {e["arm"]: e for e in cs.aggregate(by_length[length])}
+        for arm, e in agg.items():
+            e["step_ms"] = cs.spread([1000 * step_seconds(r) for r in by_length[length]
+                                      if r["arm"] == arm])
         entry = {"output_len": length, "arms": agg, "vs_full": {}}
         runs = {}
         for r in by_length[length]:
@@ -105,8 +116,9 @@ def summarize(by_length: dict[int, list[dict]], policies: list[str]) -> list[dic
                 "throughput": cs.ratio(col(arm, "output_throughput"),
                                        col("full@N", "output_throughput")),
                 "mean_running": cs.ratio(col(arm, "mean_running"), col("full@N", "mean_running")),
-                # a step's time: full ITL over the policy's (> 1: the policy's steps are faster)
-                "step_speed": cs.ratio(col("full@N", "median_itl_ms"), col(arm, "median_itl_ms")),
+                # the full cache's mean step time over the policy's (> 1: faster steps)
+                "step_speed": cs.ratio([step_seconds(r) for r in full],
+                                       [step_seconds(r) for r in runs[arm]]),
             }
         table.append(entry)
     return table
@@ -120,8 +132,8 @@ def _ratio_text(r: dict) -> str:
 def markdown(table: list[dict]) -> str:
     """One row per (length, arm); a policy's ratios to the full cache beside its figures."""
     lines = ["| output tokens | arm | output tok/s | vs full | peak / mean running | "
-             "running vs full | ITL p50 ms | step speed vs full | retracted | eviction time |",
-             "|" + "---|" * 10]
+             "running vs full | step ms (mean) | step speed vs full | ITL p50 ms | retracted | "
+             "eviction time |", "|" + "---|" * 11]
     for e in table:
         for arm, a in e["arms"].items():
             pol = arm.split("@")[0]
@@ -132,8 +144,9 @@ def markdown(table: list[dict]) -> str:
                 f"{_ratio_text(v['throughput']) if v else ref} | "
                 f"{cs._fmt(a['peak_running'], 0)} / {cs._fmt(a['mean_running'])} | "
                 f"{_ratio_text(v['mean_running']) if v else ref} | "
-                f"{cs._fmt(a['median_itl_ms'], 0)} | "
+                f"{cs._fmt(a['step_ms'], 0)} | "
                 f"{_ratio_text(v['step_speed']) if v else ref} | "
+                f"{cs._fmt(a['median_itl_ms'], 0)} | "
                 f"{cs._fmt(a['retracted_requests'], 0)} | "
                 + ("–" if a["eviction_time_share"] is None
                    else cs._fmt(a["eviction_time_share"], 2, 100) + " %") + " |")
@@ -167,7 +180,7 @@ def plot(table: list[dict], policies: list[str], path: Path, title: str) -> None
         ax.legend(fontsize=8)
     ax1.set(ylabel="output tok/s, policy / full cache", title=title)
     ax2.set(ylabel="policy / full cache",
-            title="factors: running requests, step speed (full ITL / ITL)")
+            title="factors: running requests, step speed (full / policy step time)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -30,8 +30,10 @@ def _args(out):
                             quiet_client=True, lengths=[512, 2048, 4096])
 
 
-def _record(args, length, arm, tps, running, itl, repeat=0, **settings_change):
-    """One run as concurrency_scaling.py appends it to --out/L<length>/runs.jsonl."""
+def _record(args, length, arm, tps, running, step_s, repeat=0, **settings_change):
+    """One run as concurrency_scaling.py appends it to --out/L<length>/runs.jsonl: `tps` tokens
+    a second from `running` requests at once, a decode step every `step_s` seconds."""
+    steps = 1000
     sub = cs.parse_args(ls.concurrency_args(args, length))
     settings = cs.run_settings(sub) | settings_change
     row = {"arm": arm, "pool": args.max_total_tokens, "page_size": 1,
@@ -39,7 +41,9 @@ def _record(args, length, arm, tps, running, itl, repeat=0, **settings_change):
            "started_utc": "2026-12-04T08:00:00Z", "load_1min_at_start": 1.0,
            "output_throughput": tps, "peak_running": round(running), "mean_running": running,
            "bound": 40.0, "prompt_tokens_mean": 97.0, "median_ttft_ms": 100.0,
-           "median_itl_ms": itl, "p99_itl_ms": itl * 1.5, "peak_kv_tokens": 1000,
+           "duration": steps * step_s, "decode_steps": steps,
+           "total_output_tokens": tps * steps * step_s,
+           "median_itl_ms": 1000 * step_s, "p99_itl_ms": 1500 * step_s, "peak_kv_tokens": 1000,
            "retracted_requests": 0,
            "eviction_time_share": None if arm == "full@N" else 0.005}
     folder = Path(sub.out)
@@ -50,15 +54,15 @@ def _record(args, length, arm, tps, running, itl, repeat=0, **settings_change):
 
 def test_report_splits_each_ratio_into_running_requests_and_step_speed(tmp_path):
     args = _args(tmp_path)
-    for length, full, dkv, attnv in [(512, (10.0, 4.0, 400.0), (9.0, 4.0, 444.0),
-                                      (9.5, 4.0, 420.0)),
-                                     (4096, (4.0, 1.6, 400.0), (10.0, 4.0, 400.0),
-                                      (11.0, 4.0, 360.0))]:
+    for length, full, dkv, attnv in [(512, (10.0, 4.0, 0.4), (9.0, 4.0, 0.444),
+                                      (9.5, 4.0, 0.42)),
+                                     (4096, (4.0, 1.6, 0.4), (10.0, 4.0, 0.4),
+                                      (11.0, 4.0, 0.36))]:
         _record(args, length, "full@N", *full)
         _record(args, length, "vase-dkv@N", *dkv)
         _record(args, length, "vase-attnv@N", *attnv)
     # a run of another budget in the same folder is not this command's: left aside
-    _record(args, 4096, "vase-dkv@N", 99.0, 4.0, 10.0, repeat=1, budget=64)
+    _record(args, 4096, "vase-dkv@N", 99.0, 4.0, 0.01, repeat=1, budget=64)
     argv = BASE + ["--out", str(tmp_path), "--report-only"]
     assert ls.main(argv) == 0
     result = json.loads((tmp_path / "length_scaling.json").read_text())
@@ -70,11 +74,12 @@ def test_report_splits_each_ratio_into_running_requests_and_step_speed(tmp_path)
     assert long["vase-dkv"]["mean_running"]["median"] == pytest.approx(2.5)
     assert long["vase-dkv"]["step_speed"]["median"] == pytest.approx(1.0)
     assert long["vase-attnv"]["throughput"]["median"] == pytest.approx(2.75)
-    assert long["vase-attnv"]["step_speed"]["median"] == pytest.approx(400 / 360)
+    assert long["vase-attnv"]["step_speed"]["median"] == pytest.approx(0.4 / 0.36)
     assert by_len[4096]["arms"]["vase-dkv@N"]["runs"] == 1  # the budget-64 run left aside
     assert by_len[512]["vs_full"]["vase-dkv"]["throughput"]["median"] == pytest.approx(0.9)
     md = (tmp_path / "length_scaling.md").read_text()
-    assert "| 4096 | vase-dkv@N | 10.0 | 2.50× | 4 / 4.0 | 2.50× | 400 | 1.00× | 0 | 0.50 % |" in md
+    assert ("| 4096 | vase-dkv@N | 10.0 | 2.50× | 4 / 4.0 | 2.50× | 400 | 1.00× | 400 | 0 | "
+            "0.50 % |") in md
     assert "| 4096 | full@N | 4.0 | 1 |" in md
     assert (tmp_path / "length_scaling.png").stat().st_size > 0
 
