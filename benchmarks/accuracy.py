@@ -543,12 +543,10 @@ class Harness:
         """Replay the full cache's greedy output (or the problem's recorded text, --task
         champ) under the full cache (the reference top-k) and then under each evicting arm."""
         full, full_tf = Arm("full"), Arm("full", kind="tf")
-        recorded = [p for p in probs if "text" in p]
-        self.run_jobs(self.interleave([full], [p for p in probs if "text" not in p]),
-                      f"{name} (full greedy)")
-        forced = {p["pid"]: self.forced_ids(p) for p in recorded}
-        forced |= {p["pid"]: self.records.get(full, p["pid"])["output_ids"]
-                   for p in probs if "text" not in p}
+        generated = [p for p in probs if "text" not in p]
+        self.run_jobs(self.interleave([full], generated), f"{name} (full greedy)")
+        forced = {p["pid"]: self.forced_ids(p) for p in probs if "text" in p}
+        forced |= {p["pid"]: self.records.get(full, p["pid"])["output_ids"] for p in generated}
         # records unpacked from the committed compact copy have no top-k reference (dropped to
         # keep it small): replay the full cache again for those problems, so new arms can run
         stale = [p for p in probs if (row := self.records.get(full_tf, p["pid"])) is not None

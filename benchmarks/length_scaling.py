@@ -98,14 +98,13 @@ def summarize(by_length: dict[int, list[dict]], policies: list[str]) -> list[dic
     to the full cache with its two factors (the medians' quotient; range over the runs)."""
     table = []
     for length in sorted(by_length):
-        agg = {e["arm"]: e for e in cs.aggregate(by_length[length])}
-        for arm, e in agg.items():
-            e["step_ms"] = cs.spread([1000 * step_seconds(r) for r in by_length[length]
-                                      if r["arm"] == arm])
-        entry = {"output_len": length, "arms": agg, "vs_full": {}}
         runs = {}
         for r in by_length[length]:
             runs.setdefault(r["arm"], []).append(r)
+        agg = {e["arm"]: e for e in cs.aggregate(by_length[length])}
+        for arm, e in agg.items():
+            e["step_ms"] = cs.spread([1000 * step_seconds(r) for r in runs[arm]])
+        entry = {"output_len": length, "arms": agg, "vs_full": {}}
         full = runs.get("full@N")
         for pol in policies:
             arm = f"{pol}@N"
