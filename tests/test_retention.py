@@ -62,6 +62,34 @@ def test_expected_retained_and_capacity_loss_by_hand():
     assert expected > 0  # β = 0.9 overflows M = 3 after 4 steps: the case is not trivial
 
 
+def test_global_capacity_loss_by_hand():
+    """scope global: one budget L·H·M over all layers and heads, mean over steps of
+    max(0, sum R_t - L·H·M) / (L·H·M). A head far over M next to heads under it costs nothing
+    globally while the per-head loss charges it."""
+    t, memory = 9, 3
+    layers = [[0.9, 0.2], [0.5, 0.1]]
+    log_betas = [torch.log(torch.tensor(b)).expand(1, t, 2) for b in layers]
+
+    def r(b, s):
+        return sum(b ** k for k in range(s + 1))
+
+    slots = memory * 4
+    expected = sum(max(0.0, sum(r(b, s) for lb in layers for b in lb) - slots)
+                   for s in range(t)) / t / slots
+    got = R.capacity_loss(log_betas, memory, "global").item()
+    assert abs(got - expected) < 1e-6
+    assert expected == 0.0 and R.capacity_loss(log_betas, memory).item() > 0
+    # all heads over M: the global loss charges the sum
+    hot = [torch.log(torch.tensor([0.9, 0.8])).expand(1, t, 2)] * 2
+    expected = sum(max(0.0, 2 * (r(0.9, s) + r(0.8, s)) - slots) for s in range(t)) / t / slots
+    assert expected > 0
+    assert abs(R.capacity_loss(hot, memory, "global").item() - expected) < 1e-6
+    with pytest.raises(ValueError, match="capacity scope"):
+        R.capacity_loss(hot, memory, "layer")
+    with pytest.raises(ValueError, match="capacity_scope"):
+        R.TrainConfig(capacity_scope="layer")
+
+
 def test_training_attention_without_retention_is_the_model(fp32_model):
     """The attention implementation used for training, with no log β set, equals the model's
     own (the teacher is the frozen model); with log β set it differs (the student)."""
@@ -204,6 +232,27 @@ def test_load_or_train_trains_once_then_serves_the_cached_gates(tiny_model_fp32,
     with pytest.raises(SystemExit, match="trained for another model"):
         R.main(["load-or-train", "--model", str(tiny_model_fp32)])
     assert R.read_metadata(path)["layers"] == "3"
+
+
+def test_global_recipe_trains_on_the_general_recipes_data(tiny_model_fp32, tmp_path, monkeypatch):
+    """load-or-train --recipe general-global: the general recipe's answers are reused (not
+    generated again), the gates record the global scope, the training differs; the per-head
+    recipe's key is what it was before the scope existed (cached gates stay valid)."""
+    small = dict(task="general", problems=7, gen_tokens=12, steps=6, memory=16, max_len=160)
+    monkeypatch.setitem(R.RECIPES, "general", small)
+    monkeypatch.setitem(R.RECIPES, "general-global", dict(small, capacity_scope="global"))
+    monkeypatch.setenv("VASE_SGLANG_CACHE", str(tmp_path / "cache"))
+    per_head = R.load_or_train(str(tiny_model_fp32), "general", progress=_quiet, log=lambda *_: None)
+    logs = []
+    glob = R.load_or_train(str(tiny_model_fp32), "general-global", progress=_quiet, log=logs.append)
+    assert glob.parent.name == "general-global"
+    assert any("(copied)" in line for line in logs) and not any("data: 7 prompts" in line for line in logs)
+    assert (glob.parent / "data.json").read_text() == (per_head.parent / "data.json").read_text()
+    assert json.loads(R.read_metadata(glob)["recipe"])["capacity_scope"] == "global"
+    assert "capacity_scope" not in json.loads(R.read_metadata(per_head)["recipe"])
+    a, b = (json.loads((p.parent / "history.json").read_text()) for p in (per_head, glob))
+    assert [x["kl"] for x in a][0] == [x["kl"] for x in b][0]  # same data, same start
+    assert [x["capacity"] for x in a] != [x["capacity"] for x in b]
 
 
 # ---------------------------------------------------------------- gates files

@@ -17,6 +17,8 @@ The losses (only the gates are trained; the model is frozen)
     (M = `--memory`, the memory size to train for: pick about budget - window of the serving
     setting). It is zero until a head would hold more than M tokens, so it only pushes β down
     where the memory would overflow; dividing by M makes its scale independent of M.
+    With `--capacity-scope global` the constraint is one budget over all layers and heads
+    (arXiv 2605.09649): max(0, sum over layers and heads of R_t - L·H·M) / (L·H·M), mean over t.
   total = KL + `cap_weight` · capacity.
 
 Data: the model's own greedy answers to reasoning-gym problems (the accuracy harness' prompt,
@@ -44,7 +46,8 @@ from ..gates import (GatesError, RetentionGates, config_hash, read_metadata, rec
                      save_gates)
 
 __all__ = [
-    "ATTENTION_NAME", "age_matrix", "soft_eviction_bias", "expected_retained", "capacity_loss",
+    "ATTENTION_NAME", "age_matrix", "soft_eviction_bias", "expected_retained", "CAPACITY_SCOPES",
+    "capacity_loss",
     "gated_attention", "install_training_attention", "forward_kl", "losses", "PROBLEM_SEED",
     "EVALUATION_TASKS", "TEXT_FAMILIES", "MIXES", "task_families", "resolve_model",
     "problem_prompts", "training_prompts", "greedy_batch", "data_sha256", "mix_report",
@@ -82,10 +85,23 @@ def expected_retained(log_beta: torch.Tensor) -> torch.Tensor:
     return soft_eviction_bias(log_beta).exp().sum(-1)
 
 
-def capacity_loss(log_betas: list[torch.Tensor], memory: int) -> torch.Tensor:
-    """mean over layers, heads and steps of max(0, R_t - M) / M."""
-    per_layer = [F.relu(expected_retained(lb) - memory).mean() for lb in log_betas]
-    return torch.stack(per_layer).mean() / memory
+CAPACITY_SCOPES = ("head", "global")
+
+
+def capacity_loss(log_betas: list[torch.Tensor], memory: int, scope: str = "head") -> torch.Tensor:
+    """scope "head": mean over layers, heads and steps of max(0, R_t - M) / M, each head held
+    to M. scope "global" (one budget over all layers and heads, arXiv 2605.09649): mean over
+    steps of max(0, sum over layers and heads of R_t - L·H·M) / (L·H·M), so a head may keep
+    more than M while others keep less."""
+    if scope == "head":
+        per_layer = [F.relu(expected_retained(lb) - memory).mean() for lb in log_betas]
+        return torch.stack(per_layer).mean() / memory
+    if scope != "global":
+        raise ValueError(f"capacity scope {scope!r} is not one of {CAPACITY_SCOPES}")
+    # [B, T] per layer, summed over heads, then over layers: one layer's [B, H, T, T] at a time
+    total = sum(expected_retained(lb).sum(1) for lb in log_betas)
+    slots = memory * sum(lb.shape[-1] for lb in log_betas)
+    return F.relu(total - slots).mean() / slots
 
 
 class _Retention:
@@ -137,7 +153,8 @@ def forward_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> to
     return (p_log.exp() * (p_log - q_log)).sum(-1).mean()
 
 
-def losses(model, gates: RetentionGates, ids: torch.Tensor, memory: int, cap_weight: float):
+def losses(model, gates: RetentionGates, ids: torch.Tensor, memory: int, cap_weight: float,
+           capacity_scope: str = "head"):
     """(total, kl, capacity, retained at the last step averaged over layers and heads)."""
     with torch.no_grad():
         _STATE.log_beta = None
@@ -151,7 +168,7 @@ def losses(model, gates: RetentionGates, ids: torch.Tensor, memory: int, cap_wei
         _STATE.log_beta = None
     log_betas = [sink[i] for i in range(gates.layers)]
     kl = forward_kl(teacher, student)
-    cap = capacity_loss(log_betas, memory)
+    cap = capacity_loss(log_betas, memory, capacity_scope)
     with torch.no_grad():
         retained = torch.stack([expected_retained(lb)[..., -1].mean() for lb in log_betas]).mean()
     return kl + cap_weight * cap, kl, cap, retained
@@ -318,18 +335,26 @@ def mix_report(families: list[str], sequences: list[list[int]], prompt_lengths: 
     return report
 
 
-def make_data(model, tok, cfg: "TrainConfig", out: Path, progress, log=print) -> dict:
-    """The model's own greedy answers, cached in out/data.json (reused when the stamp matches):
-    {"sequences", "families", "prompt_lengths"}."""
+def make_data(model, tok, cfg: "TrainConfig", out: Path, progress, log=print,
+              shared: tuple[Path, ...] = ()) -> dict:
+    """The model's own greedy answers, cached in out/data.json (reused when the stamp matches;
+    else copied from a data.json in `shared` with the same stamp, e.g. another recipe's on the
+    same data): {"sequences", "families", "prompt_lengths"}."""
     stamp = {"config_hash": config_hash(model.config), "task": cfg.task,
              "families": list(task_families(cfg.task)), "problems": cfg.problems,
              "problem_seed": cfg.problem_seed, "gen_tokens": cfg.gen_tokens,
              "gen_batch": cfg.gen_batch}
     path = out / "data.json"
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if saved.get("stamp") == stamp:
-            return saved
+    for candidate in (path, *shared):
+        if candidate.exists():
+            saved = json.loads(candidate.read_text())
+            if saved.get("stamp") == stamp:
+                if candidate != path:
+                    log(f"data: the same answers as {candidate} (copied)")
+                    tmp = path.with_name("data.json.tmp")
+                    tmp.write_text(json.dumps(saved))
+                    tmp.replace(path)
+                return saved
     prompts = training_prompts(tok, cfg.task, cfg.problems, cfg.problem_seed)
     eos = {t for t in [tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
            if isinstance(t, int)}
@@ -373,6 +398,7 @@ class TrainConfig:
     gate_hidden: int = 32
     bias_init: float = 6.0
     cap_weight: float = 1.0
+    capacity_scope: str = "head"  # "head": each head held to M; "global": all heads together
     task: str = "gsm_symbolic"  # one family, "a,b,c", or a name of MIXES
     problems: int = 32  # in all, split evenly over the task's families
     problem_seed: int = PROBLEM_SEED
@@ -382,12 +408,25 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 25
 
+    def __post_init__(self):
+        if self.capacity_scope not in CAPACITY_SCOPES:
+            raise ValueError(f"capacity_scope {self.capacity_scope!r}: use one of {CAPACITY_SCOPES}")
+
     def resume_key(self) -> dict:
         """Settings a checkpoint must share to be resumed (steps may grow)."""
-        d = dataclasses.asdict(self)
+        d = _settings(self)
         d.pop("steps")
         d.pop("save_every")
         return d
+
+
+def _settings(cfg: "TrainConfig") -> dict:
+    """The config as a dict, without fields added later while they hold their old meaning
+    (so gates and checkpoints written before a field existed keep matching their recipe)."""
+    d = dataclasses.asdict(cfg)
+    if d["capacity_scope"] == "head":
+        d.pop("capacity_scope")
+    return d
 
 
 def _order(n: int, step: int, seed: int) -> int:
@@ -398,8 +437,9 @@ def _order(n: int, step: int, seed: int) -> int:
     return int(perm[k])
 
 
-def train(cfg: TrainConfig, out, *, progress=None, log=print) -> dict:
-    """Train (or resume) gates for cfg.model into `out`; returns the summary."""
+def train(cfg: TrainConfig, out, *, progress=None, log=print, shared_data=()) -> dict:
+    """Train (or resume) gates for cfg.model into `out`; returns the summary. `shared_data`:
+    data.json files of other runs whose answers are reused when made with the same settings."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if progress is None:
@@ -410,7 +450,7 @@ def train(cfg: TrainConfig, out, *, progress=None, log=print) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.requires_grad_(False)
-    data = make_data(model, tok, cfg, out, progress, log)
+    data = make_data(model, tok, cfg, out, progress, log, shared=tuple(map(Path, shared_data)))
     mix = mix_report(data["families"], data["sequences"], data["prompt_lengths"], cfg.max_len,
                      order=tuple(task_families(cfg.task)))
     log("data: " + ", ".join(f"{f} {r['sequences']} seq / {r['tokens']} tok ({100 * r['share']:.0f} %)"
@@ -452,7 +492,8 @@ def train(cfg: TrainConfig, out, *, progress=None, log=print) -> dict:
             log(f"training: {per_step:.1f} s a step, about {per_step * (cfg.steps - step) / 60:.0f} "
                 "min left")
         ids = torch.tensor([data[_order(len(data), step, cfg.seed)]])
-        total, kl, cap, retained = losses(model, gates, ids, cfg.memory, cfg.cap_weight)
+        total, kl, cap, retained = losses(model, gates, ids, cfg.memory, cfg.cap_weight,
+                                          cfg.capacity_scope)
         opt.zero_grad(set_to_none=True)
         total.backward()
         opt.step()
@@ -517,15 +558,19 @@ def default_out(model: str) -> Path:
 # Recipes of `load-or-train`: the TrainConfig fields besides the model. general: the mix
 # above, for serving at T = 64, R = 16 (M = T - R = 48), as the in-distribution gates of
 # docs/retention.md were.
+# general-global: the same data and settings, trained for one budget over all layers and
+# heads (served per head all the same: docs/retention.md compares the two).
 RECIPES = {
     "general": {"task": "general", "problems": 56, "memory": 48, "steps": 200},
+    "general-global": {"task": "general", "problems": 56, "memory": 48, "steps": 200,
+                       "capacity_scope": "global"},
 }
 
 
 def recipe_key(cfg: TrainConfig) -> dict:
     """What gates trained by `cfg` are (recorded in the gates file; the model is checked by
     its config hash instead, so it is left out)."""
-    d = dataclasses.asdict(cfg)
+    d = _settings(cfg)
     for name in ("model", "save_every"):
         d.pop(name)
     return d
@@ -564,7 +609,8 @@ def load_or_train(model: str, recipe: str = "general", *, root=None, progress=No
         f"families, then {cfg.steps} training steps"
         + (f" ({measured} min for this model on a 2-core CPU)" if measured else "")
         + "; the estimates below are timed here. Interrupted, it resumes where it stopped.")
-    train(cfg, out, progress=progress, log=log)
+    siblings = tuple(out.parent / r / "data.json" for r in sorted(RECIPES) if r != recipe)
+    train(cfg, out, progress=progress, log=log, shared_data=siblings)
     return path
 
 
