@@ -255,6 +255,20 @@ def test_global_recipe_trains_on_the_general_recipes_data(tiny_model_fp32, tmp_p
     assert [x["capacity"] for x in a] != [x["capacity"] for x in b]
 
 
+def test_gates_of_a_fetched_model_folder_go_by_the_models_name(tmp_path, monkeypatch):
+    """The demo and the benchmarks pass the fetched folder (…/smollm2-135m/hf): its gates are
+    the model's (retention/smollm2-135m), not a shared retention/hf another model would clash
+    with; any other folder goes by its own name."""
+    from vase_sglang.serving.models import model_dir
+
+    monkeypatch.setenv("VASE_SGLANG_CACHE", str(tmp_path))
+    for name in ("smollm2-135m", "qwen2.5-0.5b"):
+        assert R.default_out(str(model_dir(name))) == tmp_path / "retention" / name
+        assert R.default_out(name) == tmp_path / "retention" / name
+    assert R.default_out(str(tmp_path / "mine" / "hf")) == tmp_path / "retention" / "hf"
+    assert R.default_out(str(tmp_path / "my-model")) == tmp_path / "retention" / "my-model"
+
+
 # ---------------------------------------------------------------- gates files
 
 

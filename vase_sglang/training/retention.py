@@ -548,9 +548,15 @@ def plot_history(history: list[dict], path: Path, title: str = "", memory: int =
 
 
 def default_out(model: str) -> Path:
-    from ..serving.models import cache_root
+    """cache/retention/<model's name>: a folder of vase_sglang.models (…/<name>/hf, the path
+    the demo and the benchmarks pass) goes by its model's name, not by "hf"."""
+    from ..serving.models import MODELS, cache_root, model_dir
 
-    return cache_root() / "retention" / Path(model).name
+    name = Path(model).name
+    for known in MODELS:
+        if Path(model).expanduser().resolve() == model_dir(known).resolve():
+            name = known
+    return cache_root() / "retention" / name
 
 
 # ------------------------------------------------------------------------ gates ready to use
