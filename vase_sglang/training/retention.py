@@ -609,7 +609,7 @@ def load_or_train(model: str, recipe: str = "general", *, root=None, progress=No
             log(f"retention gates ({recipe}) for {model}: {path} (cached)")
             return path
         log(f"{path} was trained by another version of the {recipe!r} recipe: training again")
-    measured = MEASURED_MINUTES.get((Path(model).name, recipe))
+    measured = MEASURED_MINUTES.get((default_out(model).name, recipe))
     log(f"no cached retention gates ({recipe}) for {model}: training them once into {out}: "
         f"the model answers {cfg.problems} prompts of {len(task_families(cfg.task))} task "
         f"families, then {cfg.steps} training steps"
