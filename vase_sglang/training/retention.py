@@ -51,7 +51,7 @@ __all__ = [
     "gated_attention", "install_training_attention", "forward_kl", "losses", "PROBLEM_SEED",
     "EVALUATION_TASKS", "TEXT_FAMILIES", "MIXES", "task_families", "resolve_model",
     "problem_prompts", "training_prompts", "greedy_batch", "data_sha256", "mix_report",
-    "make_data", "TrainConfig", "train", "plot_history", "default_out", "RECIPES",
+    "make_data", "generate_data", "TrainConfig", "train", "plot_history", "default_out", "RECIPES",
     "recipe_config", "recipe_key", "load_or_train", "main",
 ]
 
@@ -346,15 +346,23 @@ def make_data(model, tok, cfg: "TrainConfig", out: Path, progress, log=print,
              "gen_batch": cfg.gen_batch}
     path = out / "data.json"
     for candidate in (path, *shared):
-        if candidate.exists():
-            saved = json.loads(candidate.read_text())
-            if saved.get("stamp") == stamp:
-                if candidate != path:
-                    log(f"data: the same answers as {candidate} (copied)")
-                    tmp = path.with_name("data.json.tmp")
-                    tmp.write_text(json.dumps(saved))
-                    tmp.replace(path)
+        saved = json.loads(candidate.read_text()) if candidate.exists() else {}
+        if saved.get("stamp") == stamp:
+            if candidate == path:
                 return saved
+            log(f"data: the same answers as {candidate} (copied)")
+            data = saved
+            break
+    else:
+        data = generate_data(model, tok, cfg, stamp, progress, log)
+    tmp = path.with_name("data.json.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+    return data
+
+
+def generate_data(model, tok, cfg: "TrainConfig", stamp: dict, progress, log=print) -> dict:
+    """The model's greedy answers to cfg's training prompts, `gen_batch` at a time."""
     prompts = training_prompts(tok, cfg.task, cfg.problems, cfg.problem_seed)
     eos = {t for t in [tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
            if isinstance(t, int)}
@@ -378,12 +386,8 @@ def make_data(model, tok, cfg: "TrainConfig", out: Path, progress, log=print,
             left = took * (len(batches) - k - 1)
             log(f"data: at most about {left / 60:.0f} min left ({took:.0f} s for a batch of "
                 f"{cfg.gen_tokens}-token answers)")
-    data = {"stamp": stamp, "sequences": seqs, "families": [f for f, _ in prompts],
+    return {"stamp": stamp, "sequences": seqs, "families": [f for f, _ in prompts],
             "prompt_lengths": [len(ids) for _, ids in prompts]}
-    tmp = path.with_name("data.json.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
-    return data
 
 
 # ------------------------------------------------------------------------ training loop
