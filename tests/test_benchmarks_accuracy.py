@@ -219,6 +219,10 @@ def test_tf_pairs_name_trimkv_arms_by_their_gates_when_two_gates_ran():
     for gates in ("aaaa1111", "bbbb2222"):
         row = pairs[f"vase-attnv vs trimkv g{gates} @T=64"]
         assert math.isclose(row["kl"]["diff"], (0.10 - kl[gates]) * 1.15, rel_tol=1e-9)
+    # the two gates against each other, once, on the same tokens
+    row = pairs["trimkv gaaaa1111 vs trimkv gbbbb2222 @T=64"]
+    assert math.isclose(row["kl"]["diff"], (0.05 - 0.07) * 1.15, rel_tol=1e-9)
+    assert not any(k.startswith("trimkv gbbbb2222 vs") for k in pairs)
     # one gates file: the label stays the plain policy name
     one = {k: v for k, v in sums.items() if "bbbb" not in k}
     assert "vase-attnv vs trimkv @T=64" in acc.tf_pairs(fields, one, boot_iters=200)
