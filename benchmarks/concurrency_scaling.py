@@ -9,7 +9,10 @@ server's decode log (`--decode-log-interval 1`) and /metrics. Arms:
   <policy>@N  VaSE with that policy, same pool, --kv-evict-budget / --kv-evict-window
   ceiling     stock SGLang with a pool big enough for every request at once
 
-Each arm runs --repeats client runs (default 3) per concurrency on its server, back to back.
+Each arm runs --repeats client runs (default 3) per concurrency on its server, back to back;
+with --order round the arms take turns instead (round r runs every arm's r-th run, a server
+started per run), so a machine that drifts over the hours is drift every arm shares, and the
+summary adds each round's ratio to the full cache (paired runs).
 Recorded per run: peak and mean (over decode steps) running requests, output tokens/s, TTFT
 and inter-token latency percentiles, peak KV usage (slots), retracted requests (the log's
 `#retracted_reqs`, checked against `sglang:num_retracted_requests_total`), the prompt lengths
@@ -77,6 +80,9 @@ EVICT_SUM, EVICT_COUNT = "vase:eviction_seconds_sum", "vase:eviction_seconds_cou
 METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)(?: \d+)?$")
 
 
+# the same line's "gen throughput (token/s): X": with --decode-log-interval 1, the tokens of one
+# step over the time since the last logged step, so running / X is that step's time
+GEN_THROUGHPUT = re.compile(r"gen throughput \(token/s\): ([0-9.]+)")
 DP_TAG = re.compile(r" DP(\d+)")  # data-parallel workers prefix their lines "[time DPk]"
 
 
@@ -86,12 +92,16 @@ def decode_stats(log_text: str) -> dict:
     latest figures."""
     latest: dict[str, tuple[int, int]] = {}
     totals = []
+    step_s: dict[int, list[float]] = {}  # a worker's step time by its running requests
     for line in log_text.splitlines():
         m = DECODE_LINE.search(line)
         if not m:
             continue
         tag = DP_TAG.search(line[: m.start()])
         latest[tag.group(1) if tag else ""] = (int(m.group(1)), int(m.group(2)))
+        gen = GEN_THROUGHPUT.search(line, m.end())
+        if gen and float(gen.group(1)) > 0:
+            step_s.setdefault(int(m.group(1)), []).append(int(m.group(1)) / float(gen.group(1)))
         totals.append((sum(r for r, _ in latest.values()), sum(t for _, t in latest.values())))
     if not totals:
         raise MissingMeasurement("no 'Decode batch' line in the server log: cannot tell how "
@@ -103,6 +113,11 @@ def decode_stats(log_text: str) -> dict:
         "peak_kv_tokens": max(t for _, t in totals),
         "decode_steps": len(totals),
         "workers": len(latest),
+        # median decode step (ms) by batch size: what the machine charged for a batch of k
+        # during this run (a step that also waited for a prefill counts as longer; the median
+        # keeps the common case)
+        "step_ms_by_running": {str(k): round(1000 * statistics.median(v), 1)
+                               for k, v in sorted(step_s.items())},
     }
 
 
@@ -240,16 +255,18 @@ def measure_run(server: BenchServer, args, c: int, evicting: bool, page_size: in
 
 def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
             page_size: int = 1, done: dict | None = None,
-            record=None) -> list[dict]:
+            record=None, repeats: list[int] | None = None) -> list[dict]:
     """--repeats client runs per concurrency on one server of this arm. `done` holds the
     records of earlier calls by (arm, concurrency, repeat): those runs are not repeated (and
-    the server is not started when none is missing); `record(row)` is called after each run."""
+    the server is not started when none is missing); `record(row)` is called after each run.
+    `repeats`: which repeat indices to run (default all of --repeats; one with --order round)."""
     # A trimkv arm's record holds the hash of the gates it served: records made with other
     # gates are run again (--gates is otherwise a selection option, see SELECTION).
     gates = (file_sha256(server_args[server_args.index("--kv-evict-retention-gates") + 1])
              if "--kv-evict-retention-gates" in server_args else None)
     done = {k: row for k, row in (done or {}).items() if row.get("gates_sha256") == gates}
-    wanted = [(c, rep) for c in args.concurrency for rep in range(args.repeats)]
+    reps = range(args.repeats) if repeats is None else repeats
+    wanted = [(c, rep) for c in args.concurrency for rep in reps]
     if all((name, c, rep) in done for c, rep in wanted):
         print(f"  {name}: all {len(wanted)} runs reused from {RECORDS}", flush=True)
         return [done[name, c, rep] for c, rep in wanted]
@@ -258,12 +275,14 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
         server_args = [*server_args, "--page-size", str(page_size)]
     if args.dtype != "auto":
         server_args = [*server_args, "--dtype", args.dtype]
-    log.unlink(missing_ok=True)
+    if repeats is None or min(repeats) == 0:
+        log.unlink(missing_ok=True)  # a later round's server appends to the first one's log
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 1)  # the server's, as BenchServer sets it
     server = BenchServer(args.model_path,
                          ["--decode-log-interval", "1", "--enable-metrics", *server_args],
                          log_path=log, max_total_tokens=pool, max_running=None,
                          teacher_forcing=False,
-                         threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+                         threads=threads)
     evicting = "--kv-evict-policy" in server_args
     # --max-total-tokens is per data-parallel worker; rows report the pool of all of them
     workers = int(server_args[server_args.index("--dp-size") + 1]) if "--dp-size" in server_args else 1
@@ -275,7 +294,8 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
                 continue
             # when, and how busy the machine was: a table must say its machine state
             started = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "load_1min_at_start": round(os.getloadavg()[0], 2)}
+                       "load_1min_at_start": round(os.getloadavg()[0], 2),
+                       "order": args.order, "machine": machine_facts(threads)}
             row = {"arm": name, "pool": pool * workers, "page_size": page_size,
                    "concurrency": c, "repeat": rep, "gates_sha256": gates, **started,
                    **measure_run(server, args, c, evicting, page_size, pool * workers)}
@@ -290,6 +310,29 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
     finally:
         server.stop()
     return rows
+
+
+def machine_facts(threads: int) -> dict:
+    """What decides a decode step's time on a CPU besides the batch: the processor the virtual
+    machine landed on (its model and vector extensions pick the BLAS kernels), the server's
+    threads, and the torch build."""
+    import platform
+
+    import torch
+
+    model, flags = platform.processor(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = [f for f in value.split() if f.startswith(("avx", "amx", "fma"))]
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cpu_count": os.cpu_count(), "vector_flags": sorted(flags),
+            "server_threads": threads, "torch": torch.__version__}
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -326,6 +369,18 @@ def ratio(a: list[float], b: list[float]) -> dict:
     return {"median": statistics.median(a) / statistics.median(b),
             "min": min(a) / max(b), "max": max(a) / min(b),
             "separated": min(a) > max(b) or max(a) < min(b)}
+
+
+def paired_ratio(a: list[dict], b: list[dict], key: str) -> dict | None:
+    """a / b run by run, pairing the runs of one round (--order round: the same repeat index,
+    run minutes apart): median and range of the per-round ratios. None unless both arms ran
+    in rounds and share at least one."""
+    if not all(r.get("order") == "round" for r in a + b):
+        return None
+    by_rep = {r["repeat"]: r for r in b}
+    per_round = [r[key] / by_rep[r["repeat"]][key] for r in sorted(a, key=lambda r: r["repeat"])
+                 if r["repeat"] in by_rep]
+    return {**spread(per_round), "per_round": per_round} if per_round else None
 
 
 def against(values: list[float], target: float, higher_is_better: bool) -> dict:
@@ -369,7 +424,7 @@ RECORDS = "runs.jsonl"
 # Options that choose which runs to make, not what a run measures: records made under other
 # values of these are still valid. --gates only reaches the trimkv arms, whose records carry
 # the gates' hash (run_arm reuses them only with the same gates).
-SELECTION = ("out", "quiet_client", "fresh", "repeats", "concurrency", "arms", "policies",
+SELECTION = ("out", "quiet_client", "fresh", "repeats", "order", "concurrency", "arms", "policies",
              "page_size", "kv_dtypes", "kv_dtype_arms", "gates")
 
 
@@ -446,6 +501,9 @@ def summarize(rows: list[dict], policies: list[str], page_sizes=(1,), kv_dtypes=
                     col(arm, "output_throughput"), col(ref, "output_throughput"))
                 s[f"mean_running_over_{base}"] = ratio(
                     col(arm, "mean_running"), col(ref, "mean_running"))
+                paired = paired_ratio(v, runs[ref], "output_throughput")
+                if paired is not None:
+                    s[f"throughput_over_{base}_paired"] = paired
         out[p + sfx] = s
     for page in page_sizes:
         base = page_suffix(page)
@@ -566,6 +624,12 @@ def markdown_summary(summary: dict) -> str:
             if f"throughput_over_{ref}" in s:
                 lines.append(f"  - vs {ref}: output tok/s {ratio_text(s[f'throughput_over_{ref}'])}, "
                              f"mean running {ratio_text(s[f'mean_running_over_{ref}'])}")
+            paired = s.get(f"throughput_over_{ref}_paired")
+            if paired:
+                rounds = ", ".join(f"{x:.2f}" for x in paired["per_round"])
+                lines.append(f"  - vs {ref}, round by round (paired runs): output tok/s "
+                             f"{paired['median']:.2f} × [{paired['min']:.2f}–{paired['max']:.2f}] "
+                             f"({rounds})")
         for ref, r in s.get("vs_default_kv", {}).items():
             lines.append(f"  - vs {ref} (same pool bytes): output tok/s "
                          f"{ratio_text(r['throughput'])}, mean running "
@@ -629,6 +693,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[24])
     ap.add_argument("--repeats", type=int, default=3,
                     help="client runs per arm and concurrency (median and range reported)")
+    ap.add_argument("--order", choices=["arm", "round"], default="arm",
+                    help="arm: each arm's runs back to back on one server; round: the arms take "
+                    "turns, one run each per round (a server per run), so slow drift of the "
+                    "machine falls on every arm alike and runs pair up by round")
     ap.add_argument("--policies", nargs="+", default=["vase-attnv"])
     ap.add_argument("--budget", type=int, default=192)
     ap.add_argument("--window", type=int, default=64)
@@ -709,9 +777,17 @@ def main(argv=None) -> int:
 
     rows = []
     started = time.time()
-    for name, server_args, pool, page in tqdm(arms, desc="arms", unit="arm", file=sys.stdout):
-        print(f"\n== {name} (pool {pool}, page size {page})", flush=True)
-        rows += run_arm(name, server_args, pool, args, out_dir, page, done, record)
+    if args.order == "arm":
+        for name, server_args, pool, page in tqdm(arms, desc="arms", unit="arm", file=sys.stdout):
+            print(f"\n== {name} (pool {pool}, page size {page})", flush=True)
+            rows += run_arm(name, server_args, pool, args, out_dir, page, done, record)
+    else:
+        turns = [(rep, arm) for rep in range(args.repeats) for arm in arms]
+        for rep, (name, server_args, pool, page) in tqdm(turns, desc="runs", unit="run",
+                                                          file=sys.stdout):
+            print(f"\n== round {rep + 1}/{args.repeats}: {name} (pool {pool}, page size {page})",
+                  flush=True)
+            rows += run_arm(name, server_args, pool, args, out_dir, page, done, record, [rep])
     agg = aggregate(rows)
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),

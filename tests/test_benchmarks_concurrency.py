@@ -5,6 +5,7 @@ formats (fast), and the benchmark end to end (slow: three server starts; not in 
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +21,13 @@ from benchmarks.concurrency_scaling import MissingMeasurement  # noqa: E402
 LABELS = {"model_name": "tiny", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
 
 
-def decode_line(running, tokens, it=None, queue=0):
+def decode_line(running, tokens, it=None, queue=0, gen=123.45):
     """A scheduler line as SchedulerMetricsReporter.report_decode_stats formats it (logger
     prefix "[time] ", iteration only with SGLANG_LOG_FORWARD_ITERS)."""
     iter_msg = f" [{it}]" if it is not None else ""
     return (f"[2026-12-01 08:00:00] Decode batch{iter_msg}, #running-req: {running}, "
             f"#token: {tokens}, token usage: {tokens / 4096:.2f}, cuda graph: False, "
-            f"gen throughput (token/s): 123.45, #queue-req: {queue}")
+            f"gen throughput (token/s): {gen:.2f}, #queue-req: {queue}")
 
 
 def retract_line(k):
@@ -61,10 +62,11 @@ def metrics_text(retracted=None, prompts=None, evict_steps=None):
 
 
 def test_decode_stats_parse_running_requests_and_fail_without_lines():
-    log = "\n".join([PREFILL, decode_line(3, 400), decode_line(5, 700, it=12), PREFILL,
-                     decode_line(4, 650, queue=2)])
+    log = "\n".join([PREFILL, decode_line(3, 400, gen=30), decode_line(5, 700, it=12, gen=20),
+                     PREFILL, decode_line(4, 650, queue=2, gen=16)])
     assert cs.decode_stats(log) == {"peak_running": 5, "mean_running": 4.0,
-                                    "peak_kv_tokens": 700, "decode_steps": 3, "workers": 1}
+                                    "peak_kv_tokens": 700, "decode_steps": 3, "workers": 1,
+                                    "step_ms_by_running": {"3": 100.0, "4": 250.0, "5": 250.0}}
     with pytest.raises(MissingMeasurement, match="Decode batch"):
         cs.decode_stats(PREFILL)  # used to report 0 running requests
 
@@ -77,8 +79,20 @@ def test_decode_stats_add_data_parallel_workers():
 
     log = "\n".join([tagged(0, decode_line(3, 300)), tagged(1, decode_line(2, 200)),
                      tagged(0, decode_line(4, 350)), tagged(1, decode_line(1, 100))])
-    assert cs.decode_stats(log) == {"peak_running": 6, "mean_running": (3 + 5 + 6 + 5) / 4,
-                                    "peak_kv_tokens": 550, "decode_steps": 4, "workers": 2}
+    stats = cs.decode_stats(log)
+    assert stats.pop("step_ms_by_running")  # each worker's own steps (test below)
+    assert stats == {"peak_running": 6, "mean_running": (3 + 5 + 6 + 5) / 4,
+                     "peak_kv_tokens": 550, "decode_steps": 4, "workers": 2}
+
+
+def test_step_time_by_batch_size_is_the_median_over_its_steps():
+    """With --decode-log-interval 1 a line's gen throughput is one step's tokens over its time:
+    running / throughput is the step. A step that waited for a prefill (low throughput) does
+    not move the median; a line without a throughput (0.00, nothing measured yet) is left out."""
+    log = "\n".join([decode_line(2, 100, gen=10), decode_line(2, 101, gen=10),
+                     decode_line(2, 102, gen=1), decode_line(7, 300, gen=14),
+                     decode_line(7, 301, gen=0)])
+    assert cs.decode_stats(log)["step_ms_by_running"] == {"2": 200.0, "7": 500.0}
 
 
 def test_retractions_count_requests_not_lines():
@@ -224,7 +238,7 @@ def _args(**kw):
                 num_prompts=16, concurrency=[16], repeats=2, policies=["vase-attnv"],
                 budget=128, window=32, arms=["full", "vase"], page_size=[1], seed=1,
                 out="/tmp/x", quiet_client=True, kv_dtypes=["auto"], kv_dtype_arms=["full"],
-                dtype="float32", fresh=False, gates=None)
+                dtype="float32", fresh=False, gates=None, order="arm")
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -277,6 +291,54 @@ def test_gates_keep_the_other_arms_records_and_renew_trimkvs(tmp_path, monkeypat
     assert len(started) == 1  # same gates: reused
     cs.run_arm("trimkv@N", [*flags, str(g2)], 2048, args, tmp_path, done=done)
     assert len(started) == 2  # other gates: run again
+
+
+def test_round_order_takes_turns_and_pairs_the_runs_by_round(tmp_path, monkeypatch):
+    """--order round: round r runs every arm's r-th run, a server each, the records say so and
+    carry the machine's facts, and the summary adds the ratio of the runs of each round."""
+    started = []
+
+    class Server:
+        def __init__(self, model, args, **kw):
+            started.append("--kv-evict-policy" in args)
+
+        def stop(self):
+            pass
+
+    throughputs = iter([10.0, 20.0, 5.0, 15.0])  # in the order the runs are made
+
+    def run(server, args, c, evicting, page_size=1, pool=None):
+        figures = dict.fromkeys(cs.STAT_KEYS, 1.0)
+        figures["eviction_time_share"] = 0.01 if evicting else None
+        return {**figures, "output_throughput": next(throughputs)}
+
+    monkeypatch.setattr(cs, "BenchServer", Server)
+    monkeypatch.setattr(cs, "measure_run", run)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cs.main(["--model-path", str(tmp_path), "--dtype", "float32", "--arms", "full", "vase",
+             "--concurrency", "16", "--repeats", "2", "--order", "round", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "concurrency_scaling.json").read_text())
+    assert [(r["arm"], r["repeat"]) for r in result["rows"]] == [
+        ("full@N", 0), ("vase-attnv@N", 0), ("full@N", 1), ("vase-attnv@N", 1)]
+    assert started == [False, True, False, True]
+    row = result["rows"][0]
+    assert row["order"] == "round" and row["machine"]["server_threads"] == 1
+    assert row["machine"]["cpu_count"] == os.cpu_count()
+    paired = result["summary"]["vase-attnv"]["throughput_over_full_paired"]
+    assert paired["per_round"] == [2.0, 3.0] and paired["median"] == 2.5
+    # the unpaired ratio of medians mixes the rounds: (20 + 15) / 2 over (10 + 5) / 2
+    assert result["summary"]["vase-attnv"]["throughput_over_full"]["median"] == pytest.approx(35 / 15)
+    assert "round by round (paired runs): output tok/s 2.50 × [2.00–3.00] (2.00, 3.00)" in \
+        (tmp_path / "concurrency_scaling.md").read_text()
+
+
+def test_arm_order_runs_have_no_paired_ratio():
+    rows = [{"arm": a, "concurrency": 16, "repeat": r, "order": "arm", "output_throughput": 1.0,
+             "peak_running": 1, "mean_running": 1.0, "bound": 1.0, "retracted_requests": 0,
+             "eviction_time_share": None if a == "full@N" else 0.01}
+            for a in ("full@N", "vase-attnv@N") for r in range(2)]
+    summary = cs.summarize(rows, ["vase-attnv"])["vase-attnv"]
+    assert "throughput_over_full" in summary and "throughput_over_full_paired" not in summary
 
 
 def test_an_arm_whose_runs_are_all_recorded_starts_no_server(tmp_path, monkeypatch):
