@@ -89,7 +89,15 @@ def profile(config: dict, batch_sizes: list[int], *, dtype: torch.dtype, repeats
     return rows
 
 
-def plot(rows: list[dict], title: str, path: Path) -> None:
+def profile_label(result: dict) -> str:
+    """'AMD EPYC, 2026-12-05': which processor and day a profile is of."""
+    return f"{result['machine']['cpu']}, {result['date_utc'][:10]}"
+
+
+def plot(rows: list[dict], title: str, path: Path, label: str = "this run",
+         compared: list[dict] | None = None) -> None:
+    """Step time and tokens/s against the batch; `compared`: earlier profiles' results
+    (batch_step_profile.json), drawn beside this one (another processor, day or dtype)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,10 +107,19 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.errorbar(m, [r["step_ms"] for r in rows],
                yerr=[[r["step_ms"] - r["min_ms"] for r in rows],
-                     [r["max_ms"] - r["step_ms"] for r in rows]], marker="o", capsize=3)
+                     [r["max_ms"] - r["step_ms"] for r in rows]], marker="o", capsize=3,
+               label=label, color="C0")
+    b.plot(m, [r["tokens_per_s"] for r in rows], marker="o", label=label, color="C0")
+    for i, other in enumerate(compared or [], start=1):
+        om = [r["batch"] for r in other["rows"]]
+        a.plot(om, [r["step_ms"] for r in other["rows"]], marker="s", ls="--", color=f"C{i}",
+               label=profile_label(other))
+        b.plot(om, [r["tokens_per_s"] for r in other["rows"]], marker="s", ls="--",
+               color=f"C{i}", label=profile_label(other))
     a.set(xlabel="batch (running requests)", ylabel="weight products per step (ms)",
           title="step time", ylim=(0, None))
-    b.plot(m, [r["tokens_per_s"] for r in rows], marker="o")
+    if compared:
+        a.legend(fontsize=8)
     b.plot(m, [x * rows[0]["tokens_per_s"] / m[0] for x in m], ls=":", color="gray",
            label="if the step did not grow with the batch")
     b.set(xlabel="batch (running requests)", ylabel="tokens / s", title="throughput",
@@ -128,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=7, help="rounds over the batch sizes")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the config's)")
     ap.add_argument("--out", default=str(REPO / "results" / "batch_step_profile"))
+    ap.add_argument("--compare", nargs="+", default=[], metavar="JSON",
+                    help="earlier batch_step_profile.json files to draw beside this run (e.g. "
+                    "another processor's)")
     args = ap.parse_args(argv)
     for name in ("threads", "repeats"):
         if getattr(args, name) <= 0:
@@ -153,6 +173,13 @@ def config_of(model: str) -> tuple[dict, str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    compared = []
+    for f in args.compare:  # read before the minutes of timing: a wrong path fails now
+        try:
+            compared.append(json.loads(Path(f).read_text()))
+            profile_label(compared[-1]), compared[-1]["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"--compare {f}: not a batch_step_profile.json ({e!r})") from None
     config, path = config_of(args.model)
     torch.set_num_threads(args.threads)
     from tqdm import tqdm
@@ -171,11 +198,12 @@ def main(argv=None) -> int:
         "model": path, "dtype": args.dtype, "layers": args.layers or config["num_hidden_layers"],
         "shapes": linear_shapes(config), "machine": machine,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
+        "compared": args.compare,
     }
     (out / "batch_step_profile.json").write_text(json.dumps(result, indent=2))
     title = (f"{Path(path).name}: {args.dtype}, {args.threads} thread(s), {machine['cpu']}, "
              f"torch {machine['torch']}")
-    plot(rows, title, out / "batch_step_profile.png")
+    plot(rows, title, out / "batch_step_profile.png", profile_label(result), compared)
     base = rows[0]
     print(f"\n{title}\n| batch | step (ms) [min–max] | tokens/s | step vs batch {base['batch']} |")
     print("|---|---|---|---|")

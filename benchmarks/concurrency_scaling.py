@@ -440,9 +440,12 @@ def run_settings(args) -> dict:
                                  default=str, sort_keys=True))
 
 
-def load_records(path: Path, settings: dict) -> tuple[dict, int]:
+def load_records(path: Path, settings: dict, cpu: str | None = None) -> tuple[dict, int]:
     """Earlier runs made with these settings, by (arm, concurrency, repeat), and the number of
-    records left aside (other settings, or a line cut short by a crash)."""
+    records left aside (other settings, or a line cut short by a crash). With `cpu` (this
+    machine's processor) runs recorded on another processor are left aside too: a CPU's step
+    time follows its batch curve, so they must not be resumed into, or paired with, this
+    machine's runs (records made before the machine facts were kept cannot tell, and count)."""
     done, other = {}, 0
     if not path.exists():
         return done, other
@@ -456,7 +459,8 @@ def load_records(path: Path, settings: dict) -> tuple[dict, int]:
             continue
         # options counted as selection since the record was written do not void it
         recorded = {k: v for k, v in (rec.get("settings") or {}).items() if k not in SELECTION}
-        if recorded == settings:
+        recorded_cpu = (row.get("machine") or {}).get("cpu")
+        if recorded == settings and (cpu is None or recorded_cpu in (None, cpu)):
             done[key] = row
         else:
             other += 1
@@ -762,12 +766,14 @@ def main(argv=None) -> int:
     if args.fresh:
         records.unlink(missing_ok=True)
     settings = run_settings(args)
-    done, other = load_records(records, settings)
+    cpu = machine_facts(1)["cpu"]
+    done, other = load_records(records, settings, cpu)
     if done:
         print(f"reusing {len(done)} runs recorded in {records} with these settings "
               "(--fresh to discard them)", flush=True)
     if other:
-        print(f"leaving aside {other} records in {records} made with other settings", flush=True)
+        print(f"leaving aside {other} records in {records} made with other settings or on "
+              f"another processor than this {cpu!r}", flush=True)
 
     def record(row):
         with records.open("a") as f:
@@ -800,7 +806,9 @@ def main(argv=None) -> int:
     }
     (out_dir / "concurrency_scaling.json").write_text(json.dumps(result, indent=2))
     plot(agg, out_dir / "concurrency_scaling.png")
-    table = markdown_table(agg) + "\n\n" + markdown_summary(result["summary"])
+    processors = sorted({(r.get("machine") or {}).get("cpu") or "not recorded" for r in rows})
+    table = (markdown_table(agg) + "\n\n" + markdown_summary(result["summary"])
+             + f"\n\nprocessor: {', '.join(processors)}")
     (out_dir / "concurrency_scaling.md").write_text(table + "\n")
     print()
     print(table)

@@ -9,7 +9,14 @@ Joins two benchmarks' records, nothing is run here:
   runs (the admission bound, hence the running requests, depends on T and R only; at T = 128
   the policies' throughputs lie within 6 % of each other, docs/admission.md). The full cache
   (`full@N`, same pool) and the ceiling (stock SGLang with a pool for every request) are
-  reference points at the full cache's accuracy.
+  reference points at the full cache's accuracy. Runs recorded on different processors are
+  refused: on a CPU the tok/s ratios follow the processor's batch curve
+  (benchmarks/batch_step_profile.py), so one frontier is one machine's.
+
+Each point's throughput is also given against the full cache's: the ratio of the medians, and,
+where both were run with `--order round`, the ratio run by run within a round (round i of one
+folder is paired with round i of another: the rounds must have been run as rounds, e.g. one
+`--repeats i` invocation per budget in turn, as docs/frontier.md's command does).
 
     python benchmarks/frontier.py --accuracy docs/results/accuracy \\
         --concurrency docs/results/concurrency_real docs/results/concurrency_budgets \\
@@ -58,9 +65,11 @@ def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tu
 
 def throughput_runs(folders: list[Path], gates: str | None = None) -> tuple[dict, dict]:
     """({(arm, budget, window): [rows]}, the workload they share) from runs.jsonl files; runs of
-    another workload than the first folder's first run are refused; with `gates` (an id, the
-    start of its SHA-256) only the trimkv runs of that gates file."""
-    runs, workload = defaultdict(list), None
+    another workload than the first folder's first run, or of another processor (the record's
+    machine facts; records made before those were kept count as one unknown processor), are
+    refused; with `gates` (an id, the start of its SHA-256) only the trimkv runs of that gates
+    file."""
+    runs, workload, cpus = defaultdict(list), None, {}
     for folder in folders:
         for line in (folder / "runs.jsonl").read_text().splitlines():
             if not line.strip():
@@ -80,8 +89,14 @@ def throughput_runs(folders: list[Path], gates: str | None = None) -> tuple[dict
                                  f"({workload}); the frontier compares one workload")
             key = (row["arm"], 0, 0) if not row["arm"].endswith("@N") or row["arm"] == "full@N" \
                 else (row["arm"], s["budget"], s["window"])
+            cpu = (row.get("machine") or {}).get("cpu") or "not recorded"
+            cpus.setdefault(cpu, folder)
+            if len(cpus) > 1:
+                raise SystemExit("runs of different processors (" + ", ".join(
+                    f"{c!r} in {f}" for c, f in cpus.items()) + "): a CPU's tok/s ratios follow "
+                    "its batch curve, the frontier compares one machine's runs")
             runs[key].append(row)
-    return dict(runs), workload or {}
+    return dict(runs), (workload or {}) | ({"cpu": next(iter(cpus))} if cpus else {})
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -90,6 +105,25 @@ def summarise(rows: list[dict]) -> dict:
             "runs": len(rows), "mean_running": statistics.median(r["mean_running"] for r in rows),
             "peak_running": max(r["peak_running"] for r in rows),
             "bound": rows[0].get("bound")}
+
+
+def paired_ratios(rows: list[dict], ref: list[dict]) -> list[float]:
+    """rows' tok/s over ref's, round by round: the runs of both made with --order round and the
+    same round (repeat) index; [] when no round has both."""
+    by_round = {r["repeat"]: r["output_throughput"] for r in ref
+                if r.get("order") == "round" and "repeat" in r}
+    return [r["output_throughput"] / by_round[r["repeat"]] for r in
+            sorted(rows, key=lambda r: r.get("repeat", -1))
+            if r.get("order") == "round" and r.get("repeat") in by_round]
+
+
+def versus_full(rows: list[dict], full_rows: list[dict] | None) -> dict:
+    if not rows or not full_rows:
+        return {}
+    paired = paired_ratios(rows, full_rows)
+    return {"vs_full": statistics.median(r["output_throughput"] for r in rows)
+            / statistics.median(r["output_throughput"] for r in full_rows),
+            "vs_full_paired": paired}
 
 
 def build(summary: dict, runs: dict, workload: dict, policies: list[str], gates: str | None,
@@ -102,12 +136,13 @@ def build(summary: dict, runs: dict, workload: dict, policies: list[str], gates:
         rows, measured_with = (own, p["policy"]) if own else (proxy, throughput_policy)
         t = summarise(rows) if rows else None
         out_points.append(p | {"throughput_measured_with": measured_with if t else None,
-                               **(t or {})})
+                               **(t or {}), **versus_full(rows, runs.get(("full@N", 0, 0)))})
     refs = {}
     for name, key in (("full", ("full@N", 0, 0)), ("ceiling", ("ceiling", 0, 0))):
         if key in runs:
             refs[name] = summarise(runs[key]) | {
-                k: full_acc[k] for k in ("n", "correct", "accuracy", "wilson95")}
+                k: full_acc[k] for k in ("n", "correct", "accuracy", "wilson95")} | versus_full(
+                runs[key], runs.get(("full@N", 0, 0)))
     lo, hi = full_acc["wilson95"]
     choose = {}
     for policy in sorted({p["policy"] for p in points}):
@@ -119,19 +154,30 @@ def build(summary: dict, runs: dict, workload: dict, policies: list[str], gates:
         "smallest_budget_within_full_interval": choose}
 
 
+def ratio_cell(r: dict) -> str:
+    """'2.1× (2.0, 2.2 by round)': the ratio of medians, then the paired ratios where any."""
+    if "vs_full" not in r:
+        return "–"
+    paired = r.get("vs_full_paired") or []
+    return f"{r['vs_full']:.2f}×" + (
+        f" ({', '.join(f'{x:.2f}' for x in paired)} by round)" if paired else "")
+
+
 def table(res: dict) -> str:
     lines = ["| policy | T / R | greedy accuracy [95% Wilson] | output tok/s [range] | runs "
-             "| mean / peak running | throughput measured with |", "|---|---|---|---|---|---|---|"]
+             "| vs full cache | mean / peak running | throughput measured with |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in res["references"].items():
         lines.append(f"| {name} cache | – | {r['correct']}/{r['n']} = {r['accuracy']:.2f} "
                      f"[{r['wilson95'][0]:.2f}, {r['wilson95'][1]:.2f}] | {r['throughput']:.1f} "
                      f"[{r['throughput_range'][0]:.1f}–{r['throughput_range'][1]:.1f}] | "
-                     f"{r['runs']} | {r['mean_running']:.1f} / {r['peak_running']} | – |")
+                     f"{r['runs']} | {ratio_cell(r)} | {r['mean_running']:.1f} / "
+                     f"{r['peak_running']} | – |")
     for p in res["points"]:
         tp = (f"{p['throughput']:.1f} [{p['throughput_range'][0]:.1f}–"
-              f"{p['throughput_range'][1]:.1f}] | {p['runs']} | {p['mean_running']:.1f} / "
-              f"{p['peak_running']} | {p['throughput_measured_with']}"
-              if p.get("throughput") is not None else "not measured | – | – | –")
+              f"{p['throughput_range'][1]:.1f}] | {p['runs']} | {ratio_cell(p)} | "
+              f"{p['mean_running']:.1f} / {p['peak_running']} | {p['throughput_measured_with']}"
+              if p.get("throughput") is not None else "not measured | – | – | – | –")
         name = p["policy"] + (f" (gates {p['gates']})" if p.get("gates") else "")
         lines.append(f"| {name} | {p['budget']} / {p['window']} | {p['correct']}/{p['n']} = "
                      f"{p['accuracy']:.2f} [{p['wilson95'][0]:.2f}, {p['wilson95'][1]:.2f}] "
@@ -173,7 +219,8 @@ def plot(res: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel(f"output tok/s (pool {w.get('max_total_tokens')}, {w.get('num_prompts')} x "
                   f"{w.get('input_len')} in / {w.get('output_len')} out, concurrency "
-                  f"{w.get('concurrency')})")
+                  f"{w.get('concurrency')}" + (f"; {w['cpu']}" if w.get("cpu") not in (
+                      None, "not recorded") else "") + ")")
     ax.set_ylabel("greedy accuracy")
     ax.set_title("What each budget T buys (throughput) and costs (answers)")
     ax.legend(fontsize=8, loc="best")

@@ -51,3 +51,21 @@ def test_bad_arguments_are_refused():
     for argv in (["--threads", "0"], ["--batch-sizes", "0"], ["--layers", "-1"]):
         with pytest.raises(SystemExit):
             bp.parse_args(argv)
+
+
+def test_an_earlier_profile_is_drawn_beside_and_a_wrong_one_refused_first(tiny_model, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert bp.main(["--model", tiny_model, "--batch-sizes", "1", "2", "--repeats", "1",
+                    "--out", str(first)]) == 0
+    earlier = first / "batch_step_profile.json"
+    assert bp.main(["--model", tiny_model, "--batch-sizes", "1", "2", "--repeats", "1",
+                    "--out", str(second), "--compare", str(earlier)]) == 0
+    result = json.loads((second / "batch_step_profile.json").read_text())
+    assert result["compared"] == [str(earlier)]
+    assert bp.profile_label(result).endswith(result["date_utc"][:10])
+    assert (second / "batch_step_profile.png").stat().st_size > 0
+    (tmp_path / "bad.json").write_text('{"rows": []}')
+    with pytest.raises(SystemExit, match="not a batch_step_profile.json"):
+        bp.main(["--model", "/nonexistent", "--compare", str(tmp_path / "bad.json"),
+                 "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()

@@ -385,3 +385,18 @@ def test_plots_one_bar_per_arm_at_a_single_concurrency_and_lines_at_several(tmp_
                             _row("full@N", 120, 3, 3.0) | {"concurrency": 8}])
     cs.plot(several, tmp_path / "several.png")
     assert (tmp_path / "one.png").stat().st_size > 0 and (tmp_path / "several.png").stat().st_size > 0
+
+
+def test_runs_of_another_processor_are_not_resumed(tmp_path):
+    settings = cs.run_settings(_args())
+    path = tmp_path / cs.RECORDS
+    row = _row("full@N", 100, 3, 3.0)
+    lines = [{"settings": settings, "row": row | {"repeat": 0, "machine": {"cpu": "AMD EPYC"}}},
+             {"settings": settings, "row": row | {"repeat": 1, "machine": {"cpu": "Intel Xeon"}}},
+             {"settings": settings, "row": row | {"repeat": 2}}]  # before machine facts were kept
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    done, other = cs.load_records(path, settings, "AMD EPYC")
+    assert sorted(k[2] for k in done) == [0, 2] and other == 1
+    done, other = cs.load_records(path, settings, "Intel Xeon")
+    assert sorted(k[2] for k in done) == [1, 2] and other == 1
+    assert len(cs.load_records(path, settings)[0]) == 3  # no processor given: all

@@ -128,3 +128,50 @@ def test_cli_writes_json_table_and_png(tmp_path):
     assert res["smallest_budget_within_full_interval"] == {"vase-attnv": 128}
     assert (out / "frontier.png").stat().st_size > 10_000
     assert (out / "frontier.md").read_text().startswith("| policy |")
+
+
+def _round_run(arm, budget, tps, repeat, cpu="AMD EPYC"):
+    rec = _run(arm, budget, tps, 5.0)
+    rec["row"] |= {"order": "round", "repeat": repeat, "machine": {"cpu": cpu, "cpu_count": 2}}
+    return rec
+
+
+def test_throughput_against_the_full_cache_paired_round_by_round_across_folders(tmp_path):
+    summary = _summary(_gen("full", 0, 21), _gen("vase-attnv", 32, 8), _gen("vase-attnv", 128, 19))
+    # one folder per budget, as the rounds are run: round i of each is paired with full's round i
+    a = _write_runs(tmp_path / "T128", [_round_run("full@N", 128, 10.0, 0),
+                                        _round_run("vase-attnv@N", 128, 20.0, 0),
+                                        _round_run("full@N", 128, 5.0, 1),
+                                        _round_run("vase-attnv@N", 128, 15.0, 1)])
+    b = _write_runs(tmp_path / "T32", [_round_run("vase-attnv@N", 32, 40.0, 1),
+                                       _round_run("vase-attnv@N", 32, 30.0, 0)])
+    runs, workload = frontier.throughput_runs([a, b])
+    assert workload["cpu"] == "AMD EPYC"
+    res = frontier.build(summary, runs, workload, ["vase-attnv"], None, "vase-attnv")
+    pts = {p["budget"]: p for p in res["points"]}
+    # paired: 20/10, 15/5 and 30/10, 40/5; the ratio of medians is 17.5/7.5 and 35/7.5
+    assert pts[128]["vs_full_paired"] == pytest.approx([2.0, 3.0])
+    assert pts[32]["vs_full_paired"] == pytest.approx([3.0, 8.0])
+    assert pts[128]["vs_full"] == pytest.approx(17.5 / 7.5)
+    assert res["references"]["full"]["vs_full_paired"] == pytest.approx([1.0, 1.0])
+    md = frontier.table(res)
+    assert "4.67× (3.00, 8.00 by round)" in md
+
+
+def test_runs_arm_by_arm_have_no_paired_ratio():
+    full = [{"output_throughput": 10.0, "repeat": 0, "order": "arm"}]
+    rows = [{"output_throughput": 20.0, "repeat": 0, "order": "round"}]
+    assert frontier.paired_ratios(rows, full) == []
+    assert frontier.versus_full(rows, full) == {"vs_full": 2.0, "vs_full_paired": []}
+
+
+def test_runs_of_different_processors_are_refused(tmp_path):
+    a = _write_runs(tmp_path / "a", [_round_run("full@N", 128, 10.0, 0, cpu="AMD EPYC")])
+    b = _write_runs(tmp_path / "b", [_round_run("vase-attnv@N", 32, 30.0, 0,
+                                                cpu="Intel(R) Xeon(R) Processor")])
+    with pytest.raises(SystemExit, match="different processors"):
+        frontier.throughput_runs([a, b])
+    # records made before the machine facts were kept are one unknown processor, not a match
+    old = _write_runs(tmp_path / "old", [_run("vase-attnv@N", 64, 25.0, 13)])
+    with pytest.raises(SystemExit, match="not recorded"):
+        frontier.throughput_runs([a, old])
