@@ -34,7 +34,9 @@ fp8: 4 N; bf16 to fp8 on a GPU: 2 N); the summary compares them with the default
 
 Every run's record is appended to runs.jsonl in --out as soon as it completes; a later call with
 the same settings reuses those records and only runs what is missing (--fresh discards them), so
-a run cut short loses at most the run in progress.
+a run cut short loses at most the run in progress. Records made on another processor are not
+reused: on a CPU the step time follows the processor's batch curve (batch_step_profile.py).
+The server runs on OMP_NUM_THREADS threads (unset: one), the client beside it.
 
     python benchmarks/concurrency_scaling.py            # tiny local model, CPU: ~10 minutes
     python benchmarks/concurrency_scaling.py --model-path DIR --concurrency 8 16 32 ...

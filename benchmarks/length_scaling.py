@@ -79,9 +79,10 @@ def plan(args) -> list[dict]:
 def length_rows(args) -> dict[int, list[dict]]:
     """The recorded runs of each length whose settings are this command's (others ignored)."""
     out = {}
+    cpu = cs.machine_facts(1)["cpu"]  # as concurrency_scaling resumes: this processor's runs
     for length in args.lengths:
         sub = cs.parse_args(concurrency_args(args, length))
-        done, _ = cs.load_records(Path(sub.out) / cs.RECORDS, cs.run_settings(sub))
+        done, _ = cs.load_records(Path(sub.out) / cs.RECORDS, cs.run_settings(sub), cpu)
         rows = [r for r in done.values() if r["concurrency"] == args.concurrency]
         if rows:
             out[length] = rows
