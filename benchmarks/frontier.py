@@ -19,7 +19,7 @@ folder is paired with round i of another: the rounds must have been run as round
 `--repeats i` invocation per budget in turn, as docs/frontier.md's command does).
 
     python benchmarks/frontier.py --accuracy docs/results/accuracy \\
-        --concurrency docs/results/concurrency_real docs/results/concurrency_budgets \\
+        --concurrency docs/results/frontier_rounds/T{128,32,64,192} --gates 3f7de6c1 \\
         --out docs/results/frontier
 
 Writes frontier.json, frontier.md and frontier.png. "Smallest T within the full cache's
