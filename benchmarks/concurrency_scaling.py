@@ -23,7 +23,9 @@ N / (P rounded down to pages, which the radix tree holds, + T + R rounded up to 
 private cycle's top, prompt tail included)), and the eviction time share (the server's
 `vase:eviction_seconds` / the run's wall time). Reported: median and range over the runs; a
 ratio between arms is bold only where their ranges do not overlap, a target (running / bound
->= 0.95, eviction time <= 3 %) only where every run meets it. A figure that cannot be measured
+>= 0.95, eviction time <= 3 %) only where every run meets it; where the clients send fewer
+requests at once than the bound admits, running is held to the client count instead
+(running / clients), since memory is then not the limit. A figure that cannot be measured
 (no decode line, no eviction step in /metrics, counts that disagree) stops the benchmark.
 Writes JSON, a Markdown table and a PNG.
 
@@ -494,9 +496,14 @@ def summarize(rows: list[dict], policies: list[str], page_sizes=(1,), kv_dtypes=
         if arm not in runs:
             continue
         v = runs[arm]
+        limit = "bound" if all(r["concurrency"] >= r["bound"] for r in v) else "clients"
         s = {
-            "peak_running_over_bound": against([r["peak_running"] / r["bound"] for r in v], 0.95, True),
-            "mean_running_over_bound": against([r["mean_running"] / r["bound"] for r in v], 0.95, True),
+            # Against what limits the arm: the memory bound, or the clients where they send
+            # fewer requests at once than the bound admits (then memory is not what is tested).
+            f"peak_running_over_{limit}": against(
+                [r["peak_running"] / min(r["bound"], r["concurrency"]) for r in v], 0.95, True),
+            f"mean_running_over_{limit}": against(
+                [r["mean_running"] / min(r["bound"], r["concurrency"]) for r in v], 0.95, True),
             "eviction_time_share": against(col(arm, "eviction_time_share"), 0.03, False),
             "retracted_requests": spread(col(arm, "retracted_requests")),
         }
@@ -618,12 +625,13 @@ def markdown_summary(summary: dict) -> str:
     for p, s in summary.items():
         if not isinstance(s, dict):
             continue
-        if "peak_running_over_bound" not in s:  # a stock arm at another KV dtype
+        limit = next((k for k in ("bound", "clients") if f"peak_running_over_{k}" in s), None)
+        if limit is None:  # a stock arm at another KV dtype
             lines.append(f"- {p}:")
         else:
             lines.append(
-                f"- {p}: peak running / bound {target_text(s['peak_running_over_bound'])}, "
-                f"mean running / bound {target_text(s['mean_running_over_bound'])} "
+                f"- {p}: peak running / {limit} {target_text(s[f'peak_running_over_{limit}'])}, "
+                f"mean running / {limit} {target_text(s[f'mean_running_over_{limit}'])} "
                 f"(target ≥ 0.95), eviction time {target_text(s['eviction_time_share'], True)} "
                 f"(target ≤ 3 %), retracted requests {s['retracted_requests']['max']:.0f} at most")
         for ref in ("full", "ceiling"):

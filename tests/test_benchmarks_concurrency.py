@@ -149,6 +149,22 @@ def _row(arm, tput, peak, mean, share=None, bound=10.0):
             "retracted_requests": 0, "eviction_time_share": share}
 
 
+def test_running_is_held_to_the_clients_when_they_are_fewer_than_the_bound():
+    # 4 clients against a bound of 8: 4 running is all the clients allow, not half the memory
+    rows = [{**_row("vase-attnv@N", 300, 4, 4.0, 0.01, bound=7.97), "concurrency": 4},
+            {**_row("full@N", 150, 3, 2.7, bound=7.97), "concurrency": 4}]
+    summary = cs.summarize(rows, ["vase-attnv"])["vase-attnv"]
+    assert "peak_running_over_bound" not in summary
+    peak = summary["peak_running_over_clients"]
+    assert (peak["median"], peak["meets_target"]) == (1.0, True)
+    assert "peak running / clients **1.00 × [1.00–1.00]**" in cs.markdown_summary(
+        cs.summarize(rows, ["vase-attnv"]))
+    # 16 clients against the same bound: the bound is the limit, 7 running is 0.88 of it
+    rows = [{**r, "concurrency": 16, "peak_running": 7, "mean_running": 5.3} for r in rows]
+    peak = cs.summarize(rows, ["vase-attnv"])["vase-attnv"]["peak_running_over_bound"]
+    assert peak["median"] == 7 / 7.97 and not peak["meets_target"]
+
+
 def test_page_sizes_are_summarized_against_their_own_stock_arm():
     rows = ([_row("full@N", 100, 3, 3.0)] + [_row("vase-attnv@N", 300, 9, 9.0, 0.01)]
             + [_row("full@N p16", 90, 3, 3.0)] + [_row("vase-attnv@N p16", 180, 8, 8.0, 0.02)])
