@@ -6,6 +6,8 @@ running trimkv against an independent replay of the eviction in plain Python."""
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -220,6 +222,13 @@ def test_load_or_train_trains_once_then_serves_the_cached_gates(tiny_model_fp32,
     captured = capsys.readouterr()
     assert captured.out.strip() == str(path) and "(cached)" in captured.err
     assert path.stat().st_mtime_ns == stamp
+    # gates cached before the bytes were canonical: rewritten once, then served as they are
+    canonical = path.read_bytes()
+    path.write_bytes(_reordered(canonical))
+    logs.clear()
+    assert R.load_or_train(str(tiny_model_fp32), progress=_quiet, log=logs.append) == path
+    assert path.read_bytes() == canonical
+    assert any("canonical order" in line for line in logs)
     # another version of the recipe: trained again
     monkeypatch.setitem(R.RECIPES, "general", dict(R.RECIPES["general"], steps=5))
     logs.clear()
@@ -270,6 +279,66 @@ def test_gates_of_a_fetched_model_folder_go_by_the_models_name(tmp_path, monkeyp
 
 
 # ---------------------------------------------------------------- gates files
+
+
+# Saves seeded gates with metadata in a fresh interpreter (safetensors' header order is seeded
+# per process, so two saves in one process would not show the defect).
+_SAVE_IN_A_NEW_PROCESS = """
+import sys
+import torch
+from transformers import AutoConfig
+from vase_sglang import gates as G
+config = AutoConfig.from_pretrained(sys.argv[1])
+torch.manual_seed(0)
+gates = G.RetentionGates.for_model(config)
+with torch.no_grad():
+    for name in G.TENSORS:
+        getattr(gates, name).normal_()
+G.save_gates(sys.argv[2], gates, config, seed=0, steps=3, task="general", memory_size=16,
+             recipe='{"a": 1}', data_mix='{"b": 2}', model_path="/m", problems=7)
+"""
+
+
+def _reordered(raw: bytes) -> bytes:
+    """The same safetensors file with its header's keys (and metadata keys) in reverse order:
+    what safetensors may write in some process."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header = {k: (dict(reversed(v.items())) if k == "__metadata__" else v)
+              for k, v in reversed(header.items())}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
+
+
+def test_the_same_gates_saved_by_two_processes_have_the_same_bytes(tiny_model_fp32, tmp_path):
+    """Benchmarks name gates by their file's SHA-256 and pair records by it: the same tensors
+    and metadata must give the same file, whatever process writes it."""
+    paths = [tmp_path / f"{i}.safetensors" for i in range(3)]
+    for path in paths:
+        subprocess.run([sys.executable, "-c", _SAVE_IN_A_NEW_PROCESS, str(tiny_model_fp32),
+                        str(path)], check=True)
+    assert paths[0].read_bytes() == paths[1].read_bytes() == paths[2].read_bytes()
+
+
+def test_a_gates_file_in_another_header_order_is_rewritten_canonically(tiny_model_fp32, tmp_path):
+    """A file cached before saving was canonical: rewritten once to exactly what save_gates
+    writes, loading to the same tensors and metadata; a canonical file is left alone."""
+    config = AutoConfig.from_pretrained(tiny_model_fp32)
+    gates, path = _saved(tmp_path, config)
+    with torch.no_grad():
+        gates.w1.normal_(generator=torch.Generator().manual_seed(3))
+    R.save_gates(path, gates, config, note="x")
+    canonical = path.read_bytes()
+    old = tmp_path / "old.safetensors"
+    old.write_bytes(_reordered(canonical))
+    assert old.read_bytes() != canonical
+    assert R.read_metadata(old) == R.read_metadata(path)
+    assert R.canonicalize_gates_file(old) is True
+    assert old.read_bytes() == canonical
+    assert R.canonicalize_gates_file(old) is False
+    loaded = R.load_gates(old, config)
+    assert torch.equal(loaded.w1, gates.w1) and torch.equal(loaded.b2, gates.b2)
 
 
 def _saved(tmp_path, config, **kw):

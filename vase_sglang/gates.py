@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "TENSORS", "GatesError", "model_signature", "signature_hash",
-    "config_hash", "RetentionGates", "expected_shapes", "save_gates", "read_metadata",
+    "config_hash", "RetentionGates", "expected_shapes", "save_gates", "canonical_safetensors",
+    "canonicalize_gates_file", "read_metadata",
     "load_gates", "attention_modules", "recording_log_beta",
 ]
 
@@ -156,7 +157,7 @@ def expected_shapes(sig: dict, gate_hidden: int) -> dict[str, tuple[int, ...]]:
 def save_gates(path, gates: RetentionGates, model_config, **info) -> Path:
     """Write `gates` for the model of `model_config` (safetensors; metadata names the model).
     `info`: extra string metadata (training settings)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     sig = model_signature(model_config)
     if (gates.layers, gates.hidden_size, gates.kv_heads) != (
@@ -177,10 +178,38 @@ def save_gates(path, gates: RetentionGates, model_config, **info) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: getattr(gates, name).detach().float().contiguous() for name in TENSORS}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    _write_atomic(path, canonical_safetensors(save(tensors, metadata=meta)))
     return path
+
+
+def canonical_safetensors(raw: bytes) -> bytes:
+    """The same safetensors file with its header's keys sorted. safetensors writes the header
+    from a hash map whose order changes with every process, so the same gates saved twice
+    differed in their bytes, and in the SHA-256 benchmarks record as the gates' identity. The
+    tensors' data offsets are relative to the end of the header: they do not change."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the 8-byte alignment safetensors itself pads to
+    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
+
+
+def canonicalize_gates_file(path) -> bool:
+    """Rewrite a gates file written before its bytes were canonical (same tensors, same
+    metadata); True when it was rewritten."""
+    path = Path(path)
+    raw = path.read_bytes()
+    canon = canonical_safetensors(raw)
+    if canon == raw:
+        return False
+    _write_atomic(path, canon)
+    return True
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)  # a reader (a server starting) never sees half a file
 
 
 def _describe(sig: dict) -> str:

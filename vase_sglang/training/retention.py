@@ -600,7 +600,7 @@ def load_or_train(model: str, recipe: str = "general", *, root=None, progress=No
     model are refused (GatesError), not overwritten."""
     from transformers import AutoConfig
 
-    from ..gates import load_gates
+    from ..gates import canonicalize_gates_file, load_gates
 
     cfg = recipe_config(model, recipe)
     out = Path(root or default_out(model)) / recipe
@@ -610,6 +610,10 @@ def load_or_train(model: str, recipe: str = "general", *, root=None, progress=No
         load_gates(path, AutoConfig.from_pretrained(model_dir))  # another model: GatesError
         meta = read_metadata(path)
         if meta.get("recipe") == json.dumps(recipe_key(cfg), sort_keys=True):
+            # gates cached before their bytes were canonical: same tensors, rewritten so that
+            # a rebuild elsewhere has the same SHA-256 (benchmarks pair records by it)
+            if canonicalize_gates_file(path):
+                log(f"{path}: header rewritten in canonical order (tensors unchanged)")
             log(f"retention gates ({recipe}) for {model}: {path} (cached)")
             return path
         log(f"{path} was trained by another version of the {recipe!r} recipe: training again")
