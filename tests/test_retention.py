@@ -321,6 +321,21 @@ def test_the_same_gates_saved_by_two_processes_have_the_same_bytes(tiny_model_fp
     assert paths[0].read_bytes() == paths[1].read_bytes() == paths[2].read_bytes()
 
 
+def test_info_prints_the_metadata_and_the_hash_benchmarks_name_the_gates_by(
+        tiny_model_fp32, tmp_path, capsys):
+    import hashlib
+
+    config = AutoConfig.from_pretrained(tiny_model_fp32)
+    _, path = _saved(tmp_path, config)
+    R.main(["info", str(path)])
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["file_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    meta = json.loads(json.dumps(R.read_metadata(path), default=list))  # shapes: tuples
+    assert {k: v for k, v in shown.items() if k != "file_sha256"} == meta
+    with pytest.raises(SystemExit, match="no such file"):
+        R.main(["info", str(tmp_path / "missing.safetensors")])
+
+
 def test_a_gates_file_in_another_header_order_is_rewritten_canonically(tiny_model_fp32, tmp_path):
     """A file cached before saving was canonical: rewritten once to exactly what save_gates
     writes, loading to the same tensors and metadata; a canonical file is left alone."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -313,8 +314,6 @@ def greedy_batch(model, prompts: list[list[int]], max_new: int, eos: set[int],
 
 
 def data_sha256(sequences: list[list[int]]) -> str:
-    import hashlib
-
     return hashlib.sha256(json.dumps(sequences).encode()).hexdigest()
 
 
@@ -649,7 +648,8 @@ def main(argv=None) -> None:
             continue
         t.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
                        default=getattr(defaults, f.name))
-    i = sub.add_parser("info", help="print a gates file's metadata")
+    i = sub.add_parser("info", help="print a gates file's metadata and its SHA-256 "
+                       "(file_sha256: the name benchmark records give the gates)")
     i.add_argument("path")
     lt = sub.add_parser("load-or-train", help="print the path of ready gates for a model "
                         "(cached, else trained once here); log on stderr, path on stdout")
@@ -672,6 +672,8 @@ def main(argv=None) -> None:
             meta = read_metadata(args.path)
         except GatesError as err:
             sys.exit(f"error: {err}")
+        # the file's SHA-256 is the gates' name in benchmark records (gates_sha256, g<8 hex>)
+        meta["file_sha256"] = hashlib.sha256(Path(args.path).read_bytes()).hexdigest()
         print(json.dumps(meta, indent=1, default=list))
         return
     if args.threads:
