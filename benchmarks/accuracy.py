@@ -196,9 +196,9 @@ def request_limit_flags(a) -> list[str]:
 
 def gates_id(path) -> str:
     """Short content hash of a retention gates file: names the trimkv arms it serves."""
-    import hashlib
+    from vase_sglang.gates import gates_sha256
 
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:8]
+    return gates_sha256(path)[:8]
 
 
 def retention_arms(a, budget: int, window: int) -> list[Arm]:

@@ -266,7 +266,9 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
     `repeats`: which repeat indices to run (default all of --repeats; one with --order round)."""
     # A trimkv arm's record holds the hash of the gates it served: records made with other
     # gates are run again (--gates is otherwise a selection option, see SELECTION).
-    gates = (file_sha256(server_args[server_args.index("--kv-evict-retention-gates") + 1])
+    from vase_sglang.gates import gates_sha256
+
+    gates = (gates_sha256(server_args[server_args.index("--kv-evict-retention-gates") + 1])
              if "--kv-evict-retention-gates" in server_args else None)
     done = {k: row for k, row in (done or {}).items() if row.get("gates_sha256") == gates}
     reps = range(args.repeats) if repeats is None else repeats
@@ -430,12 +432,6 @@ RECORDS = "runs.jsonl"
 # the gates' hash (run_arm reuses them only with the same gates).
 SELECTION = ("out", "quiet_client", "fresh", "repeats", "order", "concurrency", "arms", "policies",
              "page_size", "kv_dtypes", "kv_dtype_arms", "gates")
-
-
-def file_sha256(path: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def run_settings(args) -> dict:

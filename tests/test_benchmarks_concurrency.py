@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO))  # benchmarks/ is not installed
 
 from benchmarks import concurrency_scaling as cs  # noqa: E402
 from benchmarks.concurrency_scaling import MissingMeasurement  # noqa: E402
+from vase_sglang.gates import gates_sha256  # noqa: E402
 
 LABELS = {"model_name": "tiny", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
 
@@ -301,7 +302,7 @@ def test_gates_keep_the_other_arms_records_and_renew_trimkvs(tmp_path, monkeypat
     args = _args(concurrency=[16], repeats=1)
     flags = ["--kv-evict-policy", "trimkv", "--kv-evict-retention-gates"]
     rows = cs.run_arm("trimkv@N", [*flags, str(g1)], 2048, args, tmp_path)
-    assert rows[0]["gates_sha256"] == cs.file_sha256(str(g1)) and len(started) == 1
+    assert rows[0]["gates_sha256"] == gates_sha256(g1) and len(started) == 1
     done = {("trimkv@N", 16, 0): rows[0]}
     cs.run_arm("trimkv@N", [*flags, str(g1)], 2048, args, tmp_path, done=done)
     assert len(started) == 1  # same gates: reused

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "TENSORS", "GatesError", "model_signature", "signature_hash",
     "config_hash", "RetentionGates", "expected_shapes", "save_gates", "canonical_safetensors",
-    "canonicalize_gates_file", "read_metadata",
+    "canonicalize_gates_file", "gates_sha256", "read_metadata",
     "load_gates", "attention_modules", "recording_log_beta",
 ]
 
@@ -204,6 +204,12 @@ def canonicalize_gates_file(path) -> bool:
         return False
     _write_atomic(path, canon)
     return True
+
+
+def gates_sha256(path) -> str:
+    """A gates file's SHA-256: the gates' name in benchmark records (canonical bytes make it
+    the same for the same tensors and metadata)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..gates import (GatesError, RetentionGates, config_hash, read_metadata, recording_log_beta,
-                     save_gates)
+from ..gates import (GatesError, RetentionGates, config_hash, gates_sha256, read_metadata,
+                     recording_log_beta, save_gates)
 
 __all__ = [
     "ATTENTION_NAME", "age_matrix", "soft_eviction_bias", "expected_retained", "CAPACITY_SCOPES",
@@ -673,7 +673,7 @@ def main(argv=None) -> None:
         except GatesError as err:
             sys.exit(f"error: {err}")
         # the file's SHA-256 is the gates' name in benchmark records (gates_sha256, g<8 hex>)
-        meta["file_sha256"] = hashlib.sha256(Path(args.path).read_bytes()).hexdigest()
+        meta["file_sha256"] = gates_sha256(args.path)
         print(json.dumps(meta, indent=1, default=list))
         return
     if args.threads:
