@@ -14,7 +14,9 @@ factors,
 (exact but for the first token of each request, which its prefill makes), so the table says
 whether a ratio comes from more requests at once or from faster (shorter-cache) steps. ITL is
 reported too, but it is a per-token median: with waves of unequal size it describes the large
-wave only. Writes length_scaling.json, length_scaling.md and length_scaling.png (ratio against
+wave only. Ratios pair the runs of one repeat index (a repeat's arms run on one machine, one
+after another; --repeats run again on another machine adds the next index), and a second table
+lists each repeat's ratio with its date and processor. Writes length_scaling.json, length_scaling.md and length_scaling.png (ratio against
 length) in --out.
 
     python benchmarks/length_scaling.py --model-path DIR --plan       # decode steps per arm, time
@@ -94,9 +96,33 @@ def step_seconds(row: dict) -> float:
     return row["duration"] / row["decode_steps"]
 
 
+def _cpu(row: dict) -> str | None:
+    return (row.get("machine") or {}).get("cpu")
+
+
+def paired_ratio(a: list[dict], b: list[dict], value) -> dict | None:
+    """value(a run) / value(b run) for the runs of one repeat index: median and range of those
+    per-repeat ratios. A length's repeat k of every arm is made by one invocation (--repeats
+    adds the next index, on whichever machine runs it), so one index shares a machine and a
+    day; pairing by it keeps the difference between machines (the 2-core VMs here are an EPYC
+    or a Xeon, with opposite batch curves) out of the ratio's range, where crossing every run
+    of a with every run of b would put it in. Pairs recorded on two different processors are
+    left out; None when no pair is left."""
+    by_rep = {r["repeat"]: r for r in b}
+    per_run = []
+    for r in sorted(a, key=lambda r: r["repeat"]):
+        ref = by_rep.get(r["repeat"])
+        if ref is None or None not in (_cpu(r), _cpu(ref)) and _cpu(r) != _cpu(ref):
+            continue
+        per_run.append(value(r) / value(ref))
+    return {**cs.spread(per_run), "per_run": per_run} if per_run else None
+
+
 def summarize(by_length: dict[int, list[dict]], policies: list[str]) -> list[dict]:
     """Per length: each arm's figures (median and range over the repeats) and each policy's ratio
-    to the full cache with its two factors (the medians' quotient; range over the runs)."""
+    to the full cache with its two factors, paired by repeat (paired_ratio: median and range of
+    the per-repeat ratios), and `runs`: per repeat, when and where the full cache ran and each
+    policy's throughput ratio in that repeat."""
     table = []
     for length in sorted(by_length):
         runs = {}
@@ -105,21 +131,29 @@ def summarize(by_length: dict[int, list[dict]], policies: list[str]) -> list[dic
         agg = {e["arm"]: e for e in cs.aggregate(by_length[length])}
         for arm, e in agg.items():
             e["step_ms"] = cs.spread([1000 * step_seconds(r) for r in runs[arm]])
-        entry = {"output_len": length, "arms": agg, "vs_full": {}}
+        entry = {"output_len": length, "arms": agg, "vs_full": {}, "runs": []}
         full = runs.get("full@N")
         for pol in policies:
             arm = f"{pol}@N"
             if full is None or arm not in runs:
                 continue
-            col = lambda a, k: [r[k] for r in runs[a]]  # noqa: E731
-            entry["vs_full"][pol] = {
-                "throughput": cs.ratio(col(arm, "output_throughput"),
-                                       col("full@N", "output_throughput")),
-                "mean_running": cs.ratio(col(arm, "mean_running"), col("full@N", "mean_running")),
+            ratios = {
+                "throughput": paired_ratio(runs[arm], full, lambda r: r["output_throughput"]),
+                "mean_running": paired_ratio(runs[arm], full, lambda r: r["mean_running"]),
                 # the full cache's mean step time over the policy's (> 1: faster steps)
-                "step_speed": cs.ratio([step_seconds(r) for r in full],
-                                       [step_seconds(r) for r in runs[arm]]),
+                "step_speed": paired_ratio(runs[arm], full, lambda r: 1 / step_seconds(r)),
             }
+            if ratios["throughput"] is not None:
+                entry["vs_full"][pol] = ratios
+        for f in sorted(full or [], key=lambda r: r["repeat"]):
+            same = {pol: [r for r in runs.get(f"{pol}@N", []) if r["repeat"] == f["repeat"]]
+                    for pol in policies}
+            entry["runs"].append({
+                "repeat": f["repeat"], "started_utc": f.get("started_utc"),
+                "cpu": _cpu(f), "full_throughput": f["output_throughput"],
+                "throughput_vs_full": {
+                    pol: (paired_ratio(rs, [f], lambda r: r["output_throughput"]) or {}).get(
+                        "median") for pol, rs in same.items()}})
         table.append(entry)
     return table
 
@@ -150,6 +184,19 @@ def markdown(table: list[dict]) -> str:
                 f"{cs._fmt(a['retracted_requests'], 0)} | "
                 + ("–" if a["eviction_time_share"] is None
                    else cs._fmt(a["eviction_time_share"], 2, 100) + " %") + " |")
+    pols = list(dict.fromkeys(p for e in table for r in e["runs"] for p in r["throughput_vs_full"]))
+    lines += ["", "Per repeat (the ratios above are the median and range of these; a repeat's "
+              "arms ran on one machine, one after another):", "",
+              "| output tokens | repeat | full cache started (UTC) | processor | full tok/s | "
+              + " | ".join(f"{p} vs full" for p in pols) + " |",
+              "|" + "---|" * (5 + len(pols))]
+    for e in table:
+        for r in e["runs"]:
+            ratios = [("–" if r["throughput_vs_full"].get(p) is None
+                       else f"{r['throughput_vs_full'][p]:.2f}×") for p in pols]
+            lines.append(f"| {e['output_len']} | {r['repeat']} | {r['started_utc'] or '–'} | "
+                         f"{r['cpu'] or 'not recorded'} | {r['full_throughput']:.1f} | "
+                         + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 

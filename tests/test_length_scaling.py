@@ -84,6 +84,37 @@ def test_report_splits_each_ratio_into_running_requests_and_step_speed(tmp_path)
     assert (tmp_path / "length_scaling.png").stat().st_size > 0
 
 
+def test_ratios_pair_the_runs_of_one_repeat_not_every_run_with_every_run(tmp_path):
+    """Repeats made on two machines (one twice as fast): each repeat's ratio is 1.2 or 1.1, so
+    the ratio's range is [1.1, 1.2]; crossing all runs would give [0.6, 2.2], the machines'
+    difference, not eviction's. A pair recorded on two processors is not a pair."""
+    args = _args(tmp_path)
+    _record(args, 4096, "full@N", 10.0, 2.0, 0.2, repeat=0)
+    _record(args, 4096, "vase-dkv@N", 12.0, 8.0, 8 / 12.0, repeat=0)
+    _record(args, 4096, "full@N", 20.0, 2.0, 0.1, repeat=1)
+    _record(args, 4096, "vase-dkv@N", 22.0, 8.0, 8 / 22.0, repeat=1)
+    _record(args, 4096, "full@N", 30.0, 2.0, 0.1, repeat=2)
+    _record(args, 4096, "vase-dkv@N", 90.0, 8.0, 0.1, repeat=2)
+    rows = ls.length_rows(argparse.Namespace(**{**vars(args), "lengths": [4096]}))[4096]
+    for r in rows:  # repeat 2's arms on two processors
+        if r["repeat"] == 2:
+            r["machine"] = {"cpu": "AMD EPYC" if r["arm"] == "full@N" else "Intel Xeon"}
+    (entry,) = ls.summarize({4096: rows}, ["vase-dkv", "vase-attnv"])
+    tput = entry["vs_full"]["vase-dkv"]["throughput"]
+    assert tput["per_run"] == pytest.approx([1.2, 1.1])
+    assert (tput["min"], tput["median"], tput["max"]) == pytest.approx((1.1, 1.15, 1.2))
+    # tok/s = running / step time: 1.2 = 4 (running) x 0.3 (step speed), 1.1 = 4 x 0.275
+    assert entry["vs_full"]["vase-dkv"]["mean_running"]["per_run"] == pytest.approx([4.0, 4.0])
+    assert entry["vs_full"]["vase-dkv"]["step_speed"]["per_run"] == pytest.approx([0.3, 0.275])
+    assert "vase-attnv" not in entry["vs_full"]  # never ran: no ratio
+    assert [(r["repeat"], r["throughput_vs_full"]["vase-dkv"]) for r in entry["runs"]] == \
+        [(0, pytest.approx(1.2)), (1, pytest.approx(1.1)), (2, None)]
+    md = ls.markdown([entry])
+    assert "| 4096 | vase-dkv@N | 22.0 [12.0–90.0] | 1.15× [1.10–1.20] |" in md
+    assert "| 4096 | 1 | 2026-12-04T08:00:00Z | not recorded | 20.0 | 1.10× | – |" in md
+    assert "| 4096 | 2 | 2026-12-04T08:00:00Z | AMD EPYC | 30.0 | – | – |" in md
+
+
 def test_report_without_any_recorded_run_fails(tmp_path):
     assert ls.main(BASE + ["--out", str(tmp_path), "--report-only"]) == 1
 
