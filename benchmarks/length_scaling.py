@@ -16,8 +16,8 @@ whether a ratio comes from more requests at once or from faster (shorter-cache) 
 reported too, but it is a per-token median: with waves of unequal size it describes the large
 wave only. Ratios pair the runs of one repeat index (a repeat's arms run on one machine, one
 after another; --repeats run again on another machine adds the next index), and a second table
-lists each repeat's ratio with its date and processor. Writes length_scaling.json, length_scaling.md and length_scaling.png (ratio against
-length) in --out.
+lists each repeat's ratio with its date and processor. Writes length_scaling.json,
+length_scaling.md and length_scaling.png (ratio against length) in --out.
 
     python benchmarks/length_scaling.py --model-path DIR --plan       # decode steps per arm, time
     python benchmarks/length_scaling.py --model-path DIR              # run (resumes), then report
