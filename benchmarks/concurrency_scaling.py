@@ -62,6 +62,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks import paired_runs  # noqa: E402
 from benchmarks._server import BenchServer, on_cuda  # noqa: E402
 
 class MissingMeasurement(RuntimeError):
@@ -377,18 +378,6 @@ def ratio(a: list[float], b: list[float]) -> dict:
             "separated": min(a) > max(b) or max(a) < min(b)}
 
 
-def paired_ratio(a: list[dict], b: list[dict], key: str) -> dict | None:
-    """a / b run by run, pairing the runs of one round (--order round: the same repeat index,
-    run minutes apart): median and range of the per-round ratios. None unless both arms ran
-    in rounds and share at least one."""
-    if not all(r.get("order") == "round" for r in a + b):
-        return None
-    by_rep = {r["repeat"]: r for r in b}
-    per_round = [r[key] / by_rep[r["repeat"]][key] for r in sorted(a, key=lambda r: r["repeat"])
-                 if r["repeat"] in by_rep]
-    return {**spread(per_round), "per_round": per_round} if per_round else None
-
-
 def against(values: list[float], target: float, higher_is_better: bool) -> dict:
     """A figure against a fixed target: met only if every run meets it."""
     s = spread(values)
@@ -511,7 +500,9 @@ def summarize(rows: list[dict], policies: list[str], page_sizes=(1,), kv_dtypes=
                     col(arm, "output_throughput"), col(ref, "output_throughput"))
                 s[f"mean_running_over_{base}"] = ratio(
                     col(arm, "mean_running"), col(ref, "mean_running"))
-                paired = paired_ratio(v, runs[ref], "output_throughput")
+                # round by round: only runs made with --order round are paired
+                paired = paired_runs.paired_ratio(v, runs[ref], lambda r: r["output_throughput"],
+                                                  paired_runs.both_in_rounds)
                 if paired is not None:
                     s[f"throughput_over_{base}_paired"] = paired
         out[p + sfx] = s
@@ -637,7 +628,7 @@ def markdown_summary(summary: dict) -> str:
                              f"mean running {ratio_text(s[f'mean_running_over_{ref}'])}")
             paired = s.get(f"throughput_over_{ref}_paired")
             if paired:
-                rounds = ", ".join(f"{x:.2f}" for x in paired["per_round"])
+                rounds = ", ".join(f"{x:.2f}" for x in paired["per_pair"])
                 lines.append(f"  - vs {ref}, round by round (paired runs): output tok/s "
                              f"{paired['median']:.2f} × [{paired['min']:.2f}–{paired['max']:.2f}] "
                              f"({rounds})")

@@ -32,8 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import paired_runs  # noqa: E402
 
 WORKLOAD = ("model_path", "max_total_tokens", "input_len", "output_len", "num_prompts", "dtype")
 DEFAULT_POLICIES = ["vase-attnv", "vase-dkv", "snapkv", "trimkv"]
@@ -110,11 +116,9 @@ def summarise(rows: list[dict]) -> dict:
 def paired_ratios(rows: list[dict], ref: list[dict]) -> list[float]:
     """rows' tok/s over ref's, round by round: the runs of both made with --order round and the
     same round (repeat) index; [] when no round has both."""
-    by_round = {r["repeat"]: r["output_throughput"] for r in ref
-                if r.get("order") == "round" and "repeat" in r}
-    return [r["output_throughput"] / by_round[r["repeat"]] for r in
-            sorted(rows, key=lambda r: r.get("repeat", -1))
-            if r.get("order") == "round" and r.get("repeat") in by_round]
+    paired = paired_runs.paired_ratio(rows, ref, lambda r: r["output_throughput"],
+                                      paired_runs.both_in_rounds)
+    return paired["per_pair"] if paired else []
 
 
 def versus_full(rows: list[dict], full_rows: list[dict] | None) -> dict:

@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks import concurrency_scaling as cs  # noqa: E402
+from benchmarks import paired_runs  # noqa: E402
 
 
 def default_pool(lengths: list[int], input_len: int) -> int:
@@ -96,33 +97,18 @@ def step_seconds(row: dict) -> float:
     return row["duration"] / row["decode_steps"]
 
 
-def _cpu(row: dict) -> str | None:
-    return (row.get("machine") or {}).get("cpu")
-
-
 def paired_ratio(a: list[dict], b: list[dict], value) -> dict | None:
-    """value(a run) / value(b run) for the runs of one repeat index: median and range of those
-    per-repeat ratios. A length's repeat k of every arm is made by one invocation (--repeats
-    adds the next index, on whichever machine runs it), so one index shares a machine and a
-    day; pairing by it keeps the difference between machines (the 2-core VMs here are an EPYC
-    or a Xeon, with opposite batch curves) out of the ratio's range, where crossing every run
-    of a with every run of b would put it in. Pairs recorded on two different processors are
-    left out; None when no pair is left."""
-    by_rep = {r["repeat"]: r for r in b}
-    per_run = []
-    for r in sorted(a, key=lambda r: r["repeat"]):
-        ref = by_rep.get(r["repeat"])
-        if ref is None or None not in (_cpu(r), _cpu(ref)) and _cpu(r) != _cpu(ref):
-            continue
-        per_run.append(value(r) / value(ref))
-    return {**cs.spread(per_run), "per_run": per_run} if per_run else None
+    """value(a run) / value(b run) for the runs of one repeat index (paired_runs): a length's
+    repeat k of every arm is made by one invocation, so one index shares a machine and a day.
+    Pairs recorded on two different processors are left out; None when no pair is left."""
+    return paired_runs.paired_ratio(a, b, value, paired_runs.same_processor)
 
 
 def summarize(by_length: dict[int, list[dict]], policies: list[str]) -> list[dict]:
     """Per length: each arm's figures (median and range over the repeats) and each policy's ratio
     to the full cache with its two factors, paired by repeat (paired_ratio: median and range of
     the per-repeat ratios), and `runs`: per repeat, when and where the full cache ran and each
-    policy's throughput ratio in that repeat."""
+    policy's throughput ratio in that repeat (None where it has no pair)."""
     table = []
     for length in sorted(by_length):
         runs = {}
@@ -145,15 +131,14 @@ def summarize(by_length: dict[int, list[dict]], policies: list[str]) -> list[dic
             }
             if ratios["throughput"] is not None:
                 entry["vs_full"][pol] = ratios
+        by_repeat = {pol: dict(zip(v["throughput"]["repeats"], v["throughput"]["per_pair"]))
+                     for pol, v in entry["vs_full"].items()}
         for f in sorted(full or [], key=lambda r: r["repeat"]):
-            same = {pol: [r for r in runs.get(f"{pol}@N", []) if r["repeat"] == f["repeat"]]
-                    for pol in policies}
             entry["runs"].append({
                 "repeat": f["repeat"], "started_utc": f.get("started_utc"),
-                "cpu": _cpu(f), "full_throughput": f["output_throughput"],
-                "throughput_vs_full": {
-                    pol: (paired_ratio(rs, [f], lambda r: r["output_throughput"]) or {}).get(
-                        "median") for pol, rs in same.items()}})
+                "cpu": paired_runs.cpu(f), "full_throughput": f["output_throughput"],
+                "throughput_vs_full": {pol: by_repeat.get(pol, {}).get(f["repeat"])
+                                       for pol in policies}})
         table.append(entry)
     return table
 

@@ -101,11 +101,11 @@ def test_ratios_pair_the_runs_of_one_repeat_not_every_run_with_every_run(tmp_pat
             r["machine"] = {"cpu": "AMD EPYC" if r["arm"] == "full@N" else "Intel Xeon"}
     (entry,) = ls.summarize({4096: rows}, ["vase-dkv", "vase-attnv"])
     tput = entry["vs_full"]["vase-dkv"]["throughput"]
-    assert tput["per_run"] == pytest.approx([1.2, 1.1])
+    assert tput["per_pair"] == pytest.approx([1.2, 1.1])
     assert (tput["min"], tput["median"], tput["max"]) == pytest.approx((1.1, 1.15, 1.2))
     # tok/s = running / step time: 1.2 = 4 (running) x 0.3 (step speed), 1.1 = 4 x 0.275
-    assert entry["vs_full"]["vase-dkv"]["mean_running"]["per_run"] == pytest.approx([4.0, 4.0])
-    assert entry["vs_full"]["vase-dkv"]["step_speed"]["per_run"] == pytest.approx([0.3, 0.275])
+    assert entry["vs_full"]["vase-dkv"]["mean_running"]["per_pair"] == pytest.approx([4.0, 4.0])
+    assert entry["vs_full"]["vase-dkv"]["step_speed"]["per_pair"] == pytest.approx([0.3, 0.275])
     assert "vase-attnv" not in entry["vs_full"]  # never ran: no ratio
     assert [(r["repeat"], r["throughput_vs_full"]["vase-dkv"]) for r in entry["runs"]] == \
         [(0, pytest.approx(1.2)), (1, pytest.approx(1.1)), (2, None)]
