@@ -18,9 +18,14 @@ where both were run with `--order round`, the ratio run by run within a round (r
 folder is paired with round i of another: the rounds must have been run as rounds, e.g. one
 `--repeats i` invocation per budget in turn, as docs/frontier.md's command does).
 
-    python benchmarks/frontier.py --accuracy docs/results/accuracy \\
-        --concurrency docs/results/frontier_rounds/T{128,32,64,192} --gates 3f7de6c1 \\
+    python benchmarks/frontier.py \\
+        --accuracy docs/results/accuracy docs/results/accuracy_keyed_T64 \\
+        --concurrency docs/results/frontier_rounds/T{128,32,64,192} --gates 3b741943 \\
         --out docs/results/frontier
+
+Several --accuracy folders: where more than one holds an arm, the later folder's entry is used
+(arms served again, e.g. with the keyed draws of a later version); their full caches must agree
+(same problems, same correct count), or the folders are refused as different workloads.
 
 Writes frontier.json, frontier.md and frontier.png. "Smallest T within the full cache's
 interval": per policy, the smallest measured T whose accuracy lies inside the full cache's
@@ -45,6 +50,26 @@ WORKLOAD = ("model_path", "max_total_tokens", "input_len", "output_len", "num_pr
 DEFAULT_POLICIES = ["vase-attnv", "vase-dkv", "snapkv", "trimkv"]
 
 
+def merge_accuracy(summaries: list[tuple[str, dict]]) -> dict:
+    """One summary from several accuracy folders' (name, summary.json): a later folder's arm
+    replaces an earlier one of the same name, and every entry says which folder it came from
+    (`from`). Folders whose full caches differ (n or correct) served other problems or another
+    model, and are refused."""
+    merged: dict[str, dict] = {}
+    full = None
+    for name, summary in summaries:
+        gen = summary["generation"]
+        f = gen.get("full:greedy")
+        if f is None:
+            raise SystemExit(f"--accuracy {name}: no full-cache greedy arm to compare against")
+        if full is not None and (f["n"], f["correct"]) != (full["n"], full["correct"]):
+            raise SystemExit(f"--accuracy {name}: its full cache got {f['correct']}/{f['n']}, the "
+                             f"first folder's {full['correct']}/{full['n']}: not one workload")
+        full = full or f
+        merged |= {arm: g | {"from": name} for arm, g in gen.items()}
+    return {"generation": merged}
+
+
 def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tuple[dict, list]:
     """(the full cache's greedy entry, [greedy entries of the policies, plain settings only]).
     trimkv arms are those of `gates` (a gates id) when given; more than one gates id without
@@ -62,7 +87,8 @@ def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tu
             trim_gates.add(g["gates"])
         points.append({k: g[k] for k in ("policy", "budget", "window", "n", "correct",
                                          "accuracy", "wilson95")} | (
-            {"gates": g["gates"]} if g.get("gates") else {}))
+            {"gates": g["gates"]} if g.get("gates") else {}) | (
+            {"accuracy_from": g["from"]} if g.get("from") else {}))
     if len(trim_gates) > 1:
         raise SystemExit(f"trimkv arms of several gates files ({', '.join(sorted(trim_gates))}): "
                          "name one with --gates")
@@ -186,6 +212,12 @@ def table(res: dict) -> str:
         lines.append(f"| {name} | {p['budget']} / {p['window']} | {p['correct']}/{p['n']} = "
                      f"{p['accuracy']:.2f} [{p['wilson95'][0]:.2f}, {p['wilson95'][1]:.2f}] "
                      f"| {tp} |")
+    folders = res.get("accuracy_folders") or []
+    later = [p for p in res["points"]
+             if folders and p.get("accuracy_from") not in (None, folders[0])]
+    if later:
+        lines += ["", f"Accuracy from {folders[0]}, except: " + "; ".join(
+            f"{p['policy']} T = {p['budget']} from {p['accuracy_from']}" for p in later) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -235,7 +267,9 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--accuracy", required=True, help="accuracy.py --out folder (summary.json)")
+    ap.add_argument("--accuracy", nargs="+", required=True,
+                    help="accuracy.py --out folders (summary.json); a later folder's arm replaces "
+                         "an earlier one of the same name")
     ap.add_argument("--concurrency", nargs="+", required=True,
                     help="concurrency_scaling.py --out folders (runs.jsonl), one workload")
     ap.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES)
@@ -244,9 +278,11 @@ def main(argv=None) -> int:
                     help="whose runs give a budget's throughput where a policy has none")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    summary = json.loads((Path(a.accuracy) / "summary.json").read_text())
+    summary = merge_accuracy([(x, json.loads((Path(x) / "summary.json").read_text()))
+                              for x in a.accuracy])
     runs, workload = throughput_runs([Path(x) for x in a.concurrency], a.gates)
     res = build(summary, runs, workload, a.policies, a.gates, a.throughput_policy)
+    res["accuracy_folders"] = a.accuracy
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(res, indent=1))

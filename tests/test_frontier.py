@@ -175,3 +175,31 @@ def test_runs_of_different_processors_are_refused(tmp_path):
     old = _write_runs(tmp_path / "old", [_run("vase-attnv@N", 64, 25.0, 13)])
     with pytest.raises(SystemExit, match="not recorded"):
         frontier.throughput_runs([a, old])
+
+
+def test_a_later_accuracy_folder_replaces_its_arms_and_is_named(tmp_path):
+    # the first folder's vase-attnv T = 64 is an older draw, served again in the second folder
+    first, second = tmp_path / "acc", tmp_path / "acc_again"
+    for folder, entries in ((first, [_gen("full", 0, 21), _gen("vase-attnv", 64, 13),
+                                     _gen("vase-attnv", 128, 22)]),
+                            (second, [_gen("full", 0, 21), _gen("vase-attnv", 64, 20)])):
+        folder.mkdir()
+        (folder / "summary.json").write_text(json.dumps(_summary(*entries)))
+    conc = _write_runs(tmp_path / "conc", [_run("full@N", 128, 7.0, 2.7),
+                                           _run("vase-attnv@N", 64, 20.0, 8.0),
+                                           _run("vase-attnv@N", 128, 15.3, 5.3)])
+    out = tmp_path / "out"
+    assert frontier.main(["--accuracy", str(first), str(second), "--concurrency", str(conc),
+                          "--out", str(out)]) == 0
+    res = json.loads((out / "frontier.json").read_text())
+    by_t = {p["budget"]: p for p in res["points"]}
+    assert (by_t[64]["correct"], by_t[64]["accuracy_from"]) == (20, str(second))
+    assert (by_t[128]["correct"], by_t[128]["accuracy_from"]) == (22, str(first))
+    assert res["smallest_budget_within_full_interval"] == {"vase-attnv": 64}
+    assert f"vase-attnv T = 64 from {second}" in (out / "frontier.md").read_text()
+
+
+def test_accuracy_folders_of_different_full_caches_are_refused():
+    with pytest.raises(SystemExit, match="not one workload"):
+        frontier.merge_accuracy([("a", _summary(_gen("full", 0, 21))),
+                                 ("b", _summary(_gen("full", 0, 19), _gen("vase-attnv", 64, 20)))])
