@@ -289,7 +289,8 @@ def main(argv=None) -> int:
     (out / "frontier.md").write_text(table(res))
     plot(res, out / "frontier.png")
     print(table(res))
-    print("smallest T within the full cache's interval:", res["smallest_budget_within_full_interval"])
+    print("smallest T within the full cache's interval:",
+          res["smallest_budget_within_full_interval"])
     return 0
 
 
