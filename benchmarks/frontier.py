@@ -23,9 +23,13 @@ folder is paired with round i of another: the rounds must have been run as round
         --concurrency docs/results/frontier_rounds/T{128,32,64,192} --gates 3b741943 \\
         --out docs/results/frontier
 
-Several --accuracy folders: where more than one holds an arm, the later folder's entry is used
-(arms served again, e.g. with the keyed draws of a later version); their full caches must agree
-(same problems, same correct count), or the folders are refused as different workloads.
+Several --accuracy folders: where more than one holds an arm at the same eviction seed (the
+folder's config.json), the later folder's entry is used (arms served again, e.g. with the keyed
+draws of a later version); an arm served at several eviction seeds (`accuracy.py
+--eviction-seed`) is several draws of the policy's sampling noise, and its point is their mean
+count, with its Wilson interval at that count (the problems' sampling error; the draws are
+listed beside it). Their full caches must agree (same problems, same correct count), or the
+folders are refused as different workloads.
 
 Writes frontier.json, frontier.md and frontier.png. "Smallest T within the full cache's
 interval": per policy, the smallest measured T whose accuracy lies inside the full cache's
@@ -45,19 +49,26 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks import paired_runs  # noqa: E402
+from benchmarks.accuracy_stats import wilson  # noqa: E402
 
 WORKLOAD = ("model_path", "max_total_tokens", "input_len", "output_len", "num_prompts", "dtype")
 DEFAULT_POLICIES = ["vase-attnv", "vase-dkv", "snapkv", "trimkv"]
 
 
-def merge_accuracy(summaries: list[tuple[str, dict]]) -> dict:
-    """One summary from several accuracy folders' (name, summary.json): a later folder's arm
-    replaces an earlier one of the same name, and every entry says which folder it came from
-    (`from`). Folders whose full caches differ (n or correct) served other problems or another
-    model, and are refused."""
-    merged: dict[str, dict] = {}
+def merge_accuracy(summaries: list[tuple]) -> dict:
+    """One summary from several accuracy folders' (name, summary.json[, eviction seed]).
+
+    An arm is identified by its name and the eviction seed its folder served with: a later
+    folder's arm of the same seed replaces the earlier one (served again, e.g. with the keyed
+    draws of a later version); the same arm under other eviction seeds is another draw of the
+    stochastic policies' noise, and the point becomes the mean over its draws (`draws` lists
+    each one; all draws of an arm must cover the same number of problems). Every entry says
+    which folder it came from (`from`, one draw) or its draws do. Folders whose full caches
+    differ (n or correct) served other problems or another model, and are refused."""
+    by_arm: dict[str, dict] = {}
     full = None
-    for name, summary in summaries:
+    for item in summaries:
+        name, summary, seed = (*item, None)[:3]
         gen = summary["generation"]
         f = gen.get("full:greedy")
         if f is None:
@@ -66,8 +77,33 @@ def merge_accuracy(summaries: list[tuple[str, dict]]) -> dict:
             raise SystemExit(f"--accuracy {name}: its full cache got {f['correct']}/{f['n']}, the "
                              f"first folder's {full['correct']}/{full['n']}: not one workload")
         full = full or f
-        merged |= {arm: g | {"from": name} for arm, g in gen.items()}
+        for arm, g in gen.items():
+            by_arm.setdefault(arm, {})[seed] = g | {"from": name, "eviction_seed": seed}
+    merged = {}
+    for arm, by_seed in by_arm.items():
+        draws = list(by_seed.values())
+        if len(draws) == 1 or arm == "full:greedy":
+            merged[arm] = draws[-1]
+            continue
+        if len({d["n"] for d in draws}) > 1:
+            raise SystemExit(f"{arm}: draws over different numbers of problems ("
+                             + ", ".join(f"{d['n']} in {d['from']}" for d in draws) + ")")
+        n = draws[0]["n"]
+        correct = statistics.fmean(d["correct"] for d in draws)
+        merged[arm] = {k: v for k, v in draws[0].items() if k not in ("from", "eviction_seed")} | {
+            "correct": correct, "accuracy": correct / n, "wilson95": list(wilson(correct, n)),
+            "draws": [{k: d[k] for k in ("eviction_seed", "correct", "from")} for d in draws]}
     return {"generation": merged}
+
+
+def eviction_seed(folder: Path) -> int | None:
+    """The eviction seed an accuracy folder served with (its config.json: --eviction-seed,
+    else the problem seed, as accuracy.py does); None where the folder has no config."""
+    cfg = folder / "config.json"
+    if not cfg.exists():
+        return None
+    c = json.loads(cfg.read_text())
+    return c.get("eviction_seed") if c.get("eviction_seed") is not None else c.get("seed")
 
 
 def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tuple[dict, list]:
@@ -88,7 +124,8 @@ def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tu
         points.append({k: g[k] for k in ("policy", "budget", "window", "n", "correct",
                                          "accuracy", "wilson95")} | (
             {"gates": g["gates"]} if g.get("gates") else {}) | (
-            {"accuracy_from": g["from"]} if g.get("from") else {}))
+            {"accuracy_from": g["from"]} if g.get("from") else {}) | (
+            {"draws": g["draws"]} if g.get("draws") else {}))
     if len(trim_gates) > 1:
         raise SystemExit(f"trimkv arms of several gates files ({', '.join(sorted(trim_gates))}): "
                          "name one with --gates")
@@ -198,7 +235,7 @@ def table(res: dict) -> str:
              "| vs full cache | mean / peak running | throughput measured with |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in res["references"].items():
-        lines.append(f"| {name} cache | – | {r['correct']}/{r['n']} = {r['accuracy']:.2f} "
+        lines.append(f"| {name} cache | – | {count(r['correct'])}/{r['n']} = {r['accuracy']:.2f} "
                      f"[{r['wilson95'][0]:.2f}, {r['wilson95'][1]:.2f}] | {r['throughput']:.1f} "
                      f"[{r['throughput_range'][0]:.1f}–{r['throughput_range'][1]:.1f}] | "
                      f"{r['runs']} | {ratio_cell(r)} | {r['mean_running']:.1f} / "
@@ -209,16 +246,30 @@ def table(res: dict) -> str:
               f"{p['mean_running']:.1f} / {p['peak_running']} | {p['throughput_measured_with']}"
               if p.get("throughput") is not None else "not measured | – | – | – | –")
         name = p["policy"] + (f" (gates {p['gates']})" if p.get("gates") else "")
-        lines.append(f"| {name} | {p['budget']} / {p['window']} | {p['correct']}/{p['n']} = "
-                     f"{p['accuracy']:.2f} [{p['wilson95'][0]:.2f}, {p['wilson95'][1]:.2f}] "
-                     f"| {tp} |")
+        draws = p.get("draws") or []
+        lines.append(f"| {name} | {p['budget']} / {p['window']} | {count(p['correct'])}/{p['n']} "
+                     f"= {p['accuracy']:.2f} [{p['wilson95'][0]:.2f}, {p['wilson95'][1]:.2f}]"
+                     + (f", mean of {len(draws)} draws: "
+                        + ", ".join(count(d["correct"]) for d in draws) if draws else "")
+                     + f" | {tp} |")
     folders = res.get("accuracy_folders") or []
     later = [p for p in res["points"]
              if folders and p.get("accuracy_from") not in (None, folders[0])]
     if later:
         lines += ["", f"Accuracy from {folders[0]}, except: " + "; ".join(
             f"{p['policy']} T = {p['budget']} from {p['accuracy_from']}" for p in later) + "."]
+    drawn = [p for p in res["points"] if p.get("draws")]
+    if drawn:
+        lines += ["", "Means over draws (eviction seed: count, folder): " + "; ".join(
+            f"{p['policy']} T = {p['budget']}: " + ", ".join(
+                f"{d['eviction_seed']}: {count(d['correct'])}, {d['from']}" for d in p["draws"])
+            for p in drawn) + "."]
     return "\n".join(lines) + "\n"
+
+
+def count(correct: float) -> str:
+    """A count of right answers: an integer, or a mean over draws to one decimal."""
+    return str(int(correct)) if float(correct).is_integer() else f"{correct:.1f}"
 
 
 def plot(res: dict, path: Path) -> None:
@@ -278,8 +329,8 @@ def main(argv=None) -> int:
                     help="whose runs give a budget's throughput where a policy has none")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    summary = merge_accuracy([(x, json.loads((Path(x) / "summary.json").read_text()))
-                              for x in a.accuracy])
+    summary = merge_accuracy([(x, json.loads((Path(x) / "summary.json").read_text()),
+                               eviction_seed(Path(x))) for x in a.accuracy])
     runs, workload = throughput_runs([Path(x) for x in a.concurrency], a.gates)
     res = build(summary, runs, workload, a.policies, a.gates, a.throughput_policy)
     res["accuracy_folders"] = a.accuracy

@@ -203,3 +203,45 @@ def test_accuracy_folders_of_different_full_caches_are_refused():
     with pytest.raises(SystemExit, match="not one workload"):
         frontier.merge_accuracy([("a", _summary(_gen("full", 0, 21))),
                                  ("b", _summary(_gen("full", 0, 19), _gen("vase-attnv", 64, 20)))])
+
+
+def _acc_folder(folder: Path, entries, eviction_seed=None, seed=123):
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps(_summary(*entries)))
+    (folder / "config.json").write_text(json.dumps({"seed": seed, "eviction_seed": eviction_seed}))
+    return folder
+
+
+def test_other_eviction_seeds_are_draws_averaged_and_the_same_seed_replaced(tmp_path):
+    # first: an old draw at the default seed (123), replaced by `again`; then seeds 1 and 2
+    first = _acc_folder(tmp_path / "acc", [_gen("full", 0, 21), _gen("vase-attnv", 64, 13),
+                                           _gen("vase-attnv", 32, 6)])
+    again = _acc_folder(tmp_path / "again", [_gen("full", 0, 21), _gen("vase-attnv", 64, 20)])
+    s1 = _acc_folder(tmp_path / "s1", [_gen("full", 0, 21), _gen("vase-attnv", 64, 19),
+                                       _gen("vase-attnv", 32, 9)], eviction_seed=1)
+    s2 = _acc_folder(tmp_path / "s2", [_gen("full", 0, 21), _gen("vase-attnv", 64, 17)],
+                     eviction_seed=2)
+    conc = _write_runs(tmp_path / "conc", [_run("full@N", 128, 7.0, 2.7),
+                                           _run("vase-attnv@N", 32, 20.0, 8.0),
+                                           _run("vase-attnv@N", 64, 20.0, 8.0)])
+    out = tmp_path / "out"
+    assert frontier.main(["--accuracy", *map(str, (first, again, s1, s2)), "--concurrency",
+                          str(conc), "--out", str(out)]) == 0
+    res = json.loads((out / "frontier.json").read_text())
+    by_t = {p["budget"]: p for p in res["points"]}
+    assert by_t[64]["correct"] == pytest.approx(56 / 3)  # 20, 19, 17: the 13 was replaced
+    assert [(d["eviction_seed"], d["correct"], d["from"]) for d in by_t[64]["draws"]] == [
+        (123, 20, str(again)), (1, 19, str(s1)), (2, 17, str(s2))]
+    assert by_t[64]["wilson95"] == pytest.approx(list(st.wilson(56 / 3, 100)))
+    assert by_t[32]["correct"] == 7.5 and len(by_t[32]["draws"]) == 2
+    # 7.5 lies outside the full cache's interval [0.14, 0.30], 18.7 inside
+    assert res["smallest_budget_within_full_interval"] == {"vase-attnv": 64}
+    md = (out / "frontier.md").read_text()
+    assert "18.7/100 = 0.19" in md and "mean of 3 draws: 20, 19, 17" in md
+
+
+def test_draws_over_different_numbers_of_problems_are_refused():
+    with pytest.raises(SystemExit, match="different numbers of problems"):
+        frontier.merge_accuracy([
+            ("a", _summary(_gen("full", 0, 21), _gen("vase-attnv", 64, 20)), 123),
+            ("b", _summary(_gen("full", 0, 21), _gen("vase-attnv", 64, 9, n=50)), 1)])
