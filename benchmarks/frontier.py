@@ -260,10 +260,10 @@ def table(res: dict) -> str:
             f"{p['policy']} T = {p['budget']} from {p['accuracy_from']}" for p in later) + "."]
     drawn = [p for p in res["points"] if p.get("draws")]
     if drawn:
-        lines += ["", "Means over draws (eviction seed: count, folder): " + "; ".join(
+        lines += ["", "Means over draws: " + "; ".join(
             f"{p['policy']} T = {p['budget']}: " + ", ".join(
-                f"{d['eviction_seed']}: {count(d['correct'])}, {d['from']}" for d in p["draws"])
-            for p in drawn) + "."]
+                f"{count(d['correct'])} (eviction seed {d['eviction_seed']}, {d['from']})"
+                for d in p["draws"]) for p in drawn) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -292,11 +292,16 @@ def plot(res: dict, path: Path) -> None:
         err = [[p["accuracy"] - p["wilson95"][0] for p in pts],
                [p["wilson95"][1] - p["accuracy"] for p in pts]]
         ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=pol, color=f"C{i}")
+        for x, p in zip(xs, pts):  # a mean over eviction-seed draws: each draw as a small mark
+            for d in p.get("draws") or []:
+                ax.plot([x], [d["correct"] / p["n"]], marker="_", ms=9, color=f"C{i}", alpha=0.6)
         for x, y, p in zip(xs, ys, pts):
             ax.annotate(f"T={p['budget']}", (x, y), textcoords="offset points", xytext=(4, 4),
                         fontsize=7, color=f"C{i}")
     lo, hi = res["full_cache_accuracy"]["wilson95"]
     ax.axhspan(lo, hi, color="0.85", zorder=0, label="full cache, 95% interval")
+    if any(p.get("draws") for p in res["points"]):
+        ax.plot([], [], marker="_", ms=9, ls="none", color="0.3", label="one eviction-seed draw")
     for name, marker in (("full", "s"), ("ceiling", "D")):
         r = res["references"].get(name)
         if r:
