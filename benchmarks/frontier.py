@@ -20,6 +20,7 @@ folder is paired with round i of another: the rounds must have been run as round
 
     python benchmarks/frontier.py \\
         --accuracy docs/results/accuracy docs/results/accuracy_keyed_T64 \\
+        docs/results/accuracy_seeds/eseed{1,2} \\
         --concurrency docs/results/frontier_rounds/T{128,32,64,192} --gates 3b741943 \\
         --out docs/results/frontier
 
