@@ -49,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks import paired_runs  # noqa: E402
+from benchmarks import accuracy, paired_runs  # noqa: E402
 from benchmarks.accuracy_stats import wilson  # noqa: E402
 
 WORKLOAD = ("model_path", "max_total_tokens", "input_len", "output_len", "num_prompts", "dtype")
@@ -98,13 +98,12 @@ def merge_accuracy(summaries: list[tuple]) -> dict:
 
 
 def eviction_seed(folder: Path) -> int | None:
-    """The eviction seed an accuracy folder served with (its config.json: --eviction-seed,
-    else the problem seed, as accuracy.py does); None where the folder has no config."""
+    """The eviction seed an accuracy folder served with (accuracy.py's own rule on its
+    config.json); None where the folder has no config."""
     cfg = folder / "config.json"
     if not cfg.exists():
         return None
-    c = json.loads(cfg.read_text())
-    return c.get("eviction_seed") if c.get("eviction_seed") is not None else c.get("seed")
+    return accuracy.eviction_seed(argparse.Namespace(**json.loads(cfg.read_text())))
 
 
 def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tuple[dict, list]:
