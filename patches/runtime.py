@@ -26,6 +26,7 @@ class EvictionStats:
     slots_freed: int = 0
     seconds: float = 0.0  # host wall time of the steps (what the scheduler waited for)
     device_seconds: float = 0.0  # device time of the finished steps (StepTimer)
+    failures: int = 0  # requests finished because a step failed on them (step._fail)
 
 
 @dataclass
@@ -83,7 +84,8 @@ class EvictionRuntime:
             if self.retention is not None:
                 pointer_table(self.retention.log_beta, k.device)
                 pointer_table(self.retention.position, k.device)
-        self.warned: set[tuple[str, int]] = set()  # (policy, n) logged once by step.plan_group
+        # logged once: (policy, n) by step.plan_group, (stage, error type) by step._fail
+        self.warned: set[tuple[str, object]] = set()
         self.timer = StepTimer(k.device)
 
     def request_settings(self, custom_params) -> EvictionConfig | None:

@@ -41,7 +41,7 @@ def around_update_running_batch(original, self, batch):
                 logger.info("KV cache pool short for the next decode step: early eviction "
                             "freed %d slots", freed)
         if metrics.METRICS is not None:
-            metrics.METRICS.record_holdings(step.elastic_holdings(batch, finishing))
+            metrics.METRICS.record_holdings(step.elastic_holdings(rt, batch, finishing))
     return original(self, batch)
 
 
@@ -64,10 +64,12 @@ def evict_due(scheduler, rt, batch, finishing) -> int:
 def relieve_pressure(scheduler, rt, batch, finishing, shortfall: int, cause: str) -> int:
     """Free at least `shortfall` slots plus headroom for the next `window` decode steps of the
     batch (so that pressure does not return on every step) from the requests of `batch`
-    (step.pressure_groups); returns the slots freed."""
+    (step.pressure_groups: admission pressure cuts elastic requests only); returns the slots
+    freed."""
     staying = sum(1 for r in batch.reqs if r not in finishing)
     need = shortfall + rt.cfg.window * staying
-    groups, level = step.pressure_groups(rt, batch, finishing, need, _rank_of(scheduler))
+    groups, level = step.pressure_groups(rt, batch, finishing, need, _rank_of(scheduler),
+                                         fixed=cause != step.ADMISSION_PRESSURE)
     if not groups:
         return 0
     wait_for_forward(scheduler)
@@ -103,7 +105,7 @@ def around_get_new_batch_prefill(original, self, running_batch):
         return plan
     finishing = _finishing(self, batch)
     reclaimable = sum(freed_by_cut(h, 0, rt.page_size)
-                      for h in step.elastic_holdings(batch, finishing))
+                      for h in step.elastic_holdings(rt, batch, finishing))
     if reclaimable >= shortfall[0]:
         freed = relieve_pressure(self, rt, batch, finishing, shortfall[0], step.ADMISSION_PRESSURE)
         if freed:
@@ -115,10 +117,29 @@ def around_get_new_batch_prefill(original, self, running_batch):
 def wait_for_forward(scheduler) -> None:
     """Under the overlap scheduler the previous forward may still read (attention) or write
     (its token's slot) this KV on the forward stream: order the compaction after it on the
-    device, without a host sync. run_batch then makes the next forward wait for us."""
-    stream = getattr(scheduler, "forward_stream", None)
-    if scheduler.enable_overlap and stream is not None and torch.cuda.is_available():
-        torch.cuda.current_stream().wait_stream(stream)
+    device, without a host sync. run_batch then makes the next forward wait for us. The
+    stream is there: after_init_overlap refused to start without it."""
+    if _orders_streams(scheduler):
+        torch.cuda.current_stream().wait_stream(scheduler.forward_stream)
+
+
+def _orders_streams(scheduler) -> bool:
+    return scheduler.enable_overlap and torch.cuda.is_available()
+
+
+TARGET_INIT_OVERLAP = "sglang.srt.managers.scheduler.Scheduler.init_overlap"
+
+
+def after_init_overlap(result, scheduler, *args, **kwargs):
+    """AFTER Scheduler.init_overlap: with the overlap scheduler on CUDA the step must order
+    its compaction after the forward in flight (wait_for_forward), on the scheduler's
+    `forward_stream`. An SGLang that made none would leave a silent race: refuse to start."""
+    if _orders_streams(scheduler) and getattr(scheduler, "forward_stream", None) is None:
+        raise RuntimeError(
+            "vase-sglang: the overlap scheduler has no forward_stream to order the KV "
+            "eviction step after the forward in flight; start with --disable-overlap-schedule "
+            "or turn eviction off")
+    return result
 
 
 def around_retraction_order(original, reqs):
@@ -199,6 +220,7 @@ def around_tree_checkpoint(original, tree, req, *args, up_to, **kwargs):
 
 
 HOOKS = [
+    (TARGET_INIT_OVERLAP, "AFTER", after_init_overlap),
     (TARGET_CREATE_REQ, "AFTER", after_create_req),
     (TARGET_NEW_PREFILL, "AROUND", around_get_new_batch_prefill),
     (TARGET_UPDATE_RUNNING_BATCH, "AROUND", around_update_running_batch),

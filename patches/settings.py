@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 
 from vase_sglang import POLICIES, POLICY_NAMES, EvictionConfig
+from vase_sglang.config import MAX_TOKENS, check_int
 
 # flag suffix -> (EvictionConfig field, type, help)
 FLAGS = {
@@ -158,9 +159,7 @@ def _int_flag(raw, suffix: str, source, minimum: int) -> int:
         value = _as_int(raw)
     except ValueError:
         raise ValueError(f"{source(suffix)}: expected an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ValueError(f"{source(suffix)}: must be >= {minimum}, got {value}")
-    return value
+    return check_int(source(suffix), value, low=minimum, high=MAX_TOKENS)
 
 
 def config_from_values(values: dict[str, object], source=flag_name) -> EvictionConfig | None:

@@ -30,6 +30,7 @@ class RequestEviction:
     hashed: int = 0
     token_crc: int = 0
     min_budget: int | None = None  # the smallest budget it was cut to (meta_info), None: never
+    failed: bool = False  # an eviction step failed on it: never evicted again, being finished
 
 
 STATE = "_vase"
@@ -59,7 +60,22 @@ def compacted(req) -> bool:
     slots no longer hold the true tokens at their positions, so they must never reach the
     radix tree (scheduler.around_release_kv_cache)."""
     st = getattr(req, STATE, None)
-    return st is not None and st.rounds > 0
+    return st is not None and (st.rounds > 0 or st.failed)
+
+
+def failed(req) -> bool:
+    st = getattr(req, STATE, None)
+    return st is not None and st.failed
+
+
+def mark_failed(req, message: str) -> None:
+    """An eviction step failed on `req` after it may have moved part of its K/V: finish it at
+    its next step with `message` (HTTP 500: the server's fault, not the request's), as an
+    abort would; its cache no longer holds its tokens, so it must not reach the radix tree."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    state(req).failed = True
+    req.to_finish = FINISH_ABORT(message, 500, "InternalServerError")
 
 
 def min_budget(req) -> int | None:

@@ -16,6 +16,13 @@ processed). Candidates are the n oldest private tokens; the newest `window` neve
 policy keeps K = budget - window of them per (layer, KV head); compaction moves the kept K/V of
 every layer and head into the first K candidate slots.
 
+Failures: every group is planned, staged and checked on the host (stage 2, its ids and its
+rewrite) before the first device write of the step, so what can fail on the host fails before
+anything moves. Stages 3-5 run per chunk of requests, and a chunk's requests are committed
+(lengths, state) only after their pages are freed: an exception raised there restores their
+rows, and finishes those requests (their KV is no longer what it was) with an error naming the
+stage; every other request keeps its KV and the server keeps serving (docs/reliability.md).
+
 Memory: stages 2-3 stream over chunks inside the workspace reserved at startup, so a step's
 extra memory is bounded (docs/memory.md). Nothing in the step reads a device value on the host
 or copies from pageable memory: host ids are staged through pinned buffers with non-blocking
@@ -26,18 +33,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
 from vase_sglang import ops
 from vase_sglang.plan import MIN_CANDIDATE_CHUNK, StepPlan, group_bytes, plan_step, step_cost
-from vase_sglang.chunk import evict_chunk
+from vase_sglang.chunk import CompactionError, evict_chunk, gather_layout
 from vase_sglang.elastic import Holding, freed_by_cut, water_fill
 from vase_sglang.policies import POLICIES
 from vase_sglang.rows import RowRewrite, freed_slots, rewrite_row
 
 from . import metrics
-from .state import record_eviction, request_config, request_key, pos_offset, state
+from .state import (failed, mark_failed, pos_offset, record_eviction, request_config, request_key,
+                    state)
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -59,31 +68,36 @@ def due_groups(rt, batch, skip=()) -> dict:
     their effective settings (per-request overrides) and by (n, sinks), so each group is one
     batched select + compaction. Host state only: nothing runs on the device."""
     groups: dict[tuple, list[int]] = {}
-    for i, req, cfg, private in _evictable(batch, skip):
+    for i, req, cfg, private in _evictable(rt, batch, skip):
         if cfg.trigger_len is not None and private >= cfg.trigger_len:
             _add(groups, i, req, cfg.replace(budget=cfg.scheduled_budget, ceiling=None), private)
     return groups
 
 
-def pressure_groups(rt, batch, skip, need: int, rank_of=lambda req: 0) -> tuple[dict, int | None]:
+def pressure_groups(rt, batch, skip, need: int, rank_of=lambda req: 0,
+                    fixed: bool = True) -> tuple[dict, int | None]:
     """Memory pressure (the next decode step, or a waiting request, does not fit): the groups
     that free it, and the lowest level an elastic request is cut to (None: none is).
-    Every fixed-mode request over its budget is cut back to it, due or not: an early eviction
-    instead of a retraction, all at once rather than just enough for one step, so the pool has
-    room for many steps and the requests stay in phase (the next eviction is again one batched
-    group). Elastic requests are water-filled (vase_sglang/elastic.py) to free what is still
-    needed of `need` slots; rank_of(req): lower ranks lose tokens first."""
+    With `fixed`, every fixed-mode request at least half a window (and a page) over its
+    budget is cut back to it, due or not: an early eviction instead of a retraction, all at
+    once rather than just enough for one step, so the pool has room for many steps and the
+    requests stay in phase (the next eviction is again one batched group). A smaller cut
+    would cost a whole scoring pass for a few slots, on every step of a pool that stays
+    short; such requests are cut on schedule, within half a window. Admission pressure passes
+    fixed=False: a waiting request is no reason to cut fixed caches early. Elastic requests
+    are water-filled (vase_sglang/elastic.py) to free what is still needed of `need` slots;
+    rank_of(req): lower ranks lose tokens first."""
     groups: dict[tuple, list[int]] = {}
     freed = 0
     holdings, elastic = [], []
-    for i, req, cfg, private in _evictable(batch, skip):
+    for i, req, cfg, private in _evictable(rt, batch, skip):
         if cfg.elastic:
             holdings.append(Holding(private, cfg.budget, cfg.window, rank_of(req)))
             elastic.append((i, req, cfg, private))
-        # Cut back to its budget where that frees a page (with pages, dropping fewer tokens
-        # than separate its length from the last page boundary frees nothing): the elastic
-        # rule at the floor.
-        elif (cut := freed_by_cut(Holding(private, cfg.budget, cfg.window), 0, rt.page_size)):
+        # Cut back to its budget where that frees enough (with pages, dropping fewer tokens
+        # than separate its length from the last page boundary frees nothing).
+        elif fixed and (cut := freed_by_cut(Holding(private, cfg.budget, cfg.window), 0,
+                                            rt.page_size)) >= min_fixed_cut(cfg, rt.page_size):
             _add(groups, i, req, cfg, private)
             freed += cut
     levels = water_fill(holdings, need - freed, rt.page_size) if need > freed else {}
@@ -93,18 +107,24 @@ def pressure_groups(rt, batch, skip, need: int, rank_of=lambda req: 0) -> tuple[
     return groups, (min(levels.values()) if levels else None)
 
 
-def elastic_holdings(batch, skip=()) -> list[Holding]:
+def min_fixed_cut(cfg, page_size: int) -> int:
+    """The fewest slots a pressure cut of a fixed-mode request must free: half a window,
+    at least a page."""
+    return max(page_size, cfg.window // 2)
+
+
+def elastic_holdings(rt, batch, skip=()) -> list[Holding]:
     """The elastic requests of `batch` as the water-filling sees them (for metrics and for
     what admission pressure may reclaim)."""
     return [Holding(private, cfg.budget, cfg.window)
-            for _i, _req, cfg, private in _evictable(batch, skip) if cfg.elastic]
+            for _i, _req, cfg, private in _evictable(rt, batch, skip) if cfg.elastic]
 
 
-def _evictable(batch, skip):
+def _evictable(rt, batch, skip):
     """(index, req, its settings, its private tokens) of every request of `batch` the step
     may evict now."""
     for i, req in enumerate(batch.reqs):
-        if req in skip or req.kv.req_pool_idx is None:
+        if req in skip or req.kv.req_pool_idx is None or failed(req):
             continue
         cfg = request_config(req)
         if cfg is None:
@@ -117,6 +137,17 @@ def _evictable(batch, skip):
         kv = req.kv
         if kv.kv_committed_len != kv.kv_allocated_len:
             continue  # only speculative decoding over-allocates; rejected at startup
+        if kv.cache_protected_len % rt.page_size:
+            # The row rewrite and the page frees assume the private cache starts on a page
+            # (the radix tree holds whole pages). Not seen in any tested setting; refused
+            # rather than guessed at: the request keeps its whole cache.
+            if ("unaligned", 0) not in rt.warned:  # logged once
+                rt.warned.add(("unaligned", 0))
+                logger.warning("request %s: its shared prefix (%d tokens) does not end on a "
+                               "page of %d tokens: it is not evicted (nor any other such "
+                               "request; logged once)", req.rid, kv.cache_protected_len,
+                               rt.page_size)
+            continue
         yield i, req, cfg, kv.kv_allocated_len - kv.cache_protected_len
 
 
@@ -139,9 +170,20 @@ def run(rt, batch, groups: dict, cause: str = SCHEDULED) -> int:
     freed = 0
     new_lens = {}
     evictions, tokens = rt.stats.evictions, rt.stats.tokens_evicted
-    for (cfg, n, sinks), members in groups.items():
-        freed += _evict_group(rt, batch, cfg, members, n, sinks, new_lens)
-    _update_batch_lengths(batch, new_lens)
+    prepared = []  # every group planned and staged before the step writes anything
+    for key, members in groups.items():
+        reqs = [batch.reqs[i] for i in members]
+        try:
+            group = _prepare_group(rt, key, members, reqs)
+        except Exception as err:  # noqa: BLE001  contained: these requests fail, no others
+            _fail(rt, reqs, PLAN, err)
+            continue
+        if group is not None:
+            prepared.append(group)
+    for group in prepared:
+        freed += _evict_group(rt, batch, group, new_lens)
+    if new_lens:
+        _update_batch_lengths(batch, new_lens)
     batch.batch_is_full = False  # admission was closed on a full pool; it has room now
     rt.timer.stop()
     elapsed = time.perf_counter() - start
@@ -160,31 +202,94 @@ def run(rt, batch, groups: dict, cause: str = SCHEDULED) -> int:
     return freed
 
 
-def _evict_group(rt, batch, cfg, members, n, sinks, new_lens) -> int:
-    """Evict one group; returns the slots freed (a host count: nothing is read back)."""
-    reqs = [batch.reqs[i] for i in members]
+# Where a step can fail, as named in a failed request's finish reason (and by fault injection
+# in tests/fault_policy.py).
+PLAN, STAGE, SELECT, COMPACT, REWRITE = "plan", "stage", "select", "compact", "rewrite"
+
+
+class StepFailure(Exception):
+    """An exception inside the step, with the stage it came from."""
+
+    def __init__(self, stage: str, cause: BaseException):
+        super().__init__(f"{stage}: {type(cause).__name__}: {cause}")
+        self.stage, self.cause = stage, cause
+
+
+class Group(NamedTuple):
+    """One group of a step, planned and staged on the host: its settings, candidates n,
+    sinks, batch indices and requests, the plan, the staged ids (device rows [B]) and the
+    row rewrite a chunk does when the policy keeps cfg.keep."""
+
+    cfg: object
+    n: int
+    sinks: int
+    members: list
+    reqs: list
+    plan: StepPlan
+    ids: tuple
+    rewrite: RowRewrite
+
+
+def _prepare_group(rt, key, members, reqs) -> Group | None:
+    """Stage 2 for one group, host only: its plan (None: not evicted this time), its ids
+    staged, its rewrite checked."""
+    cfg, n, sinks = key
     plan = plan_group(rt, cfg, n, len(reqs))
     if plan is None:
-        return 0
-    ids = _stage(rt, reqs, cfg)
-    k = None
-    for r0 in range(0, len(reqs), plan.requests):
-        part = slice(r0, r0 + plan.requests)
-        kept = _evict_requests(rt, cfg, n, sinks, plan, *(column[part] for column in ids))
-        if k is not None and kept != k:
-            raise ValueError(f"policy {cfg.policy!r}: kept {kept} tokens in one chunk, {k} "
-                             "in another")
-        k = kept
-    dropped = n - k
-    rt.stats.tokens_evicted += dropped * len(reqs)
-    rt.stats.evictions += len(reqs)
-    # -- 6. update: the requests' lengths and state (the batch's lengths in run)
-    for i, req in zip(members, reqs):
-        req.kv.kv_allocated_len -= dropped
-        req.kv.kv_committed_len -= dropped
-        record_eviction(req, dropped, cfg.budget)
-        new_lens[i] = req.kv.kv_allocated_len
-    return freed_slots(n, k, cfg.window, rt.page_size) * len(reqs)
+        return None
+    try:
+        ids = _stage(rt, reqs, cfg)
+        rewrite = rewrite_row(0, n, cfg.keep, cfg.window, rt.page_size)
+    except Exception as err:  # noqa: BLE001
+        raise StepFailure(STAGE, err) from err
+    return Group(cfg, n, sinks, members, reqs, plan, ids, rewrite)
+
+
+def _evict_group(rt, batch, group: Group, new_lens) -> int:
+    """Evict one group, a chunk of requests at a time; returns the slots freed (a host
+    count: nothing is read back). A chunk that fails is rolled back and its requests finished
+    with an error (_fail); the chunks before it stay committed."""
+    cfg, n = group.cfg, group.n
+    freed = 0
+    for r0 in range(0, len(group.reqs), group.plan.requests):
+        part = slice(r0, r0 + group.plan.requests)
+        reqs = group.reqs[part]
+        try:
+            k = _evict_requests(rt, cfg, n, group.sinks, group.plan, group.rewrite,
+                                *(column[part] for column in group.ids))
+        except Exception as err:  # noqa: BLE001  contained: this chunk's requests fail
+            _fail(rt, reqs, SELECT, err)
+            continue
+        dropped = n - k
+        rt.stats.tokens_evicted += dropped * len(reqs)
+        rt.stats.evictions += len(reqs)
+        # -- 6. update: the requests' lengths and state (the batch's lengths in run)
+        for i, req in zip(group.members[part], reqs):
+            req.kv.kv_allocated_len -= dropped
+            req.kv.kv_committed_len -= dropped
+            record_eviction(req, dropped, cfg.budget)
+            new_lens[i] = req.kv.kv_allocated_len
+        freed += freed_slots(n, k, cfg.window, rt.page_size) * len(reqs)
+    return freed
+
+
+def _fail(rt, reqs, stage: str, err: BaseException) -> None:
+    """Finish `reqs` with an error naming the stage that failed (their next step finishes
+    them, as an abort does; eviction never runs on them again and their slots never reach
+    the radix tree: state.mark_failed). The traceback is logged once per (stage, error type);
+    the server keeps serving."""
+    if isinstance(err, StepFailure):
+        stage, err = err.stage, err.cause
+    rt.stats.failures += len(reqs)
+    first = (stage, type(err).__name__) not in rt.warned
+    rt.warned.add((stage, type(err).__name__))
+    logger.error("KV eviction failed at stage %r for %d request(s) (%s): %s: %s; they are "
+                 "finished with an error, the others keep running",
+                 stage, len(reqs), ", ".join(str(r.rid) for r in reqs), type(err).__name__, err,
+                 exc_info=err if first else None)
+    for req in reqs:
+        mark_failed(req, f"KV eviction failed at stage {stage!r} ({type(err).__name__}: {err}); "
+                         "the request was stopped, other requests are unaffected")
 
 
 # -- 2. plan -----------------------------------------------------------------------------------
@@ -243,12 +348,14 @@ def _stage(rt, reqs, cfg) -> tuple[torch.Tensor, ...]:
     return tuple(host.to(device, non_blocking=True).unbind(0))
 
 
-def _evict_requests(rt, cfg, n, sinks, plan: StepPlan, rows, starts, request, rounds,
-                    first_query, seeds) -> int:
+def _evict_requests(rt, cfg, n, sinks, plan: StepPlan, rewrite: RowRewrite, rows, starts,
+                    request, rounds, first_query, seeds) -> int:
     """Every layer of a chunk of requests, plan.layers layers at a time (each unit's
     candidates plan.chunk at a time where set); then rewrites their rows and frees their
     dropped pages (device-only: the allocator's free is a torch.cat on page size 1).
-    Returns how many candidates each request kept."""
+    Returns how many candidates each request kept. Raises StepFailure naming the stage; a
+    failure before the free restores the rows (the chunk's K/V may be compacted in part:
+    its requests are finished by the caller)."""
     device = rt.req_to_token.device
     cols = starts[:, None] + torch.arange(n + cfg.window, device=device)
     row_slots = rt.req_to_token[rows[:, None], cols].long()  # [b, n + R]
@@ -261,22 +368,52 @@ def _evict_requests(rt, cfg, n, sinks, plan: StepPlan, rows, starts, request, ro
         side = (rt.retention.log_beta, rt.retention.position)
         now = first_query + cfg.window  # the true length: the next token's position
     k = None
-    for first in range(0, rt.num_layers, plan.layers):
-        keep = None  # the previous chunk's selection is dead: free it before the next
-        keep = evict_chunk(
-            cfg, rt.k_buffers, rt.v_buffers, rt.queries, rt.workspace,
-            first_layer=first, num_layers=min(plan.layers, rt.num_layers - first),
-            layer_ids=rt.layer_ids, slots=slots, ring_index=ring_index,
-            request=request, rounds=rounds, sinks=sinks, side=side, now=now,
-            attention=rt.attention, head_offset=rt.kv_head_offset,
-            candidate_chunk=plan.chunk, seed=seeds[:, None],
-        )
-        if k is not None and keep.shape[-1] != k:
-            raise ValueError(f"policy {cfg.policy!r}: kept {keep.shape[-1]} tokens in one "
-                             f"chunk of layers, {k} in another")
-        k = keep.shape[-1]  # cfg.keep for the built-in policies; a custom one may keep all
-    _apply(rt, rewrite_row(0, n, k, cfg.window, rt.page_size), rows, starts, row_slots, side)
+    try:
+        first = 0
+        while first < rt.num_layers:
+            layers = _fitting_layers(rt, cfg, len(rows), n, plan, first)
+            keep = None  # the previous chunk's selection is dead: free it before the next
+            keep = evict_chunk(
+                cfg, rt.k_buffers, rt.v_buffers, rt.queries, rt.workspace,
+                first_layer=first, num_layers=layers,
+                layer_ids=rt.layer_ids, slots=slots, ring_index=ring_index,
+                request=request, rounds=rounds, sinks=sinks, side=side, now=now,
+                attention=rt.attention, head_offset=rt.kv_head_offset,
+                candidate_chunk=plan.chunk, seed=seeds[:, None],
+            )
+            if k is not None and keep.shape[-1] != k:
+                raise ValueError(f"policy {cfg.policy!r}: kept {keep.shape[-1]} tokens in one "
+                                 f"chunk of layers, {k} in another")
+            k = keep.shape[-1]  # cfg.keep for the built-in policies; a custom one may keep all
+            first += layers
+    except Exception as err:  # noqa: BLE001
+        raise StepFailure(COMPACT if isinstance(err, CompactionError) else SELECT, err) from err
+    try:
+        if k != cfg.keep:
+            rewrite = rewrite_row(0, n, k, cfg.window, rt.page_size)
+        _apply(rt, rewrite, rows, starts, row_slots, side)
+    except Exception as err:  # noqa: BLE001
+        # The free is _apply's last act (one allocator call): it did not happen. Put the
+        # rows back as they were, so that finishing these requests frees each slot once.
+        rt.req_to_token[rows[:, None], cols] = row_slots.to(rt.req_to_token.dtype)
+        raise StepFailure(REWRITE, err) from err
     return k
+
+
+def _fitting_layers(rt, cfg, b: int, n: int, plan: StepPlan, first: int) -> int:
+    """The plan's layers per chunk from layer `first`, halved while the chunk's gathers do
+    not fit the workspace buffer (the plan is made from traces at a bucketed candidate count,
+    so this only splits a plan that is off; logged once)."""
+    layers = min(plan.layers, rt.num_layers - first)
+    while layers > 1 and not rt.workspace.fits(
+            gather_layout(cfg, rt.shapes, b, layers, n, plan.chunk)):
+        layers = (layers + 1) // 2
+        if ("split", 0) not in rt.warned:
+            rt.warned.add(("split", 0))
+            logger.warning("an eviction chunk of %d requests x %d layers over %d candidates "
+                           "did not fit the %d-byte workspace as planned: split (logged once)",
+                           b, plan.layers, n, rt.workspace.buffer_bytes)
+    return layers
 
 
 def _apply(rt, rw: RowRewrite, rows, starts, row_slots, side) -> None:

@@ -148,14 +148,15 @@ def _shared_server(name, model, flags, **kwargs):
 @pytest.fixture(scope="session")
 def snapkv_server(tiny_model_fp32):
     """tiny fp32 Qwen3, snapkv (SNAPKV), a decode log line every step, Prometheus metrics on,
-    and the test-only policy `test-permute` (tests/permute_policy.py) loaded, so requests can
-    ask for it. Shared by every module that needs these settings; each module runs the idle
+    and the test-only policies `test-permute` (tests/permute_policy.py) and `test-fault-*`
+    (tests/fault_policy.py: a step that fails at a chosen stage) loaded, so requests can
+    ask for them. Shared by every module that needs these settings; each module runs the idle
     leak check (wait_idle_checked) after its own requests."""
     flags = ["--dtype", "float32", "--decode-log-interval", "1", "--enable-metrics"]
     for key, value in SNAPKV.items():
         flags += ["--kv-evict-" + key, str(value)]
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = {"VASE_KV_EVICT_PLUGINS": "permute_policy",
+    env = {"VASE_KV_EVICT_PLUGINS": "permute_policy,fault_policy",
            "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
     yield from _shared_server("snapkv_server", tiny_model_fp32, flags, env=env)
 

@@ -39,6 +39,19 @@ LAUNCH_CASES = [
      "--kv-evict-value-slots: only the vase-attnv policy"),
     (POLICY + ["--kv-evict-sinks", "-2"], {}, "--kv-evict-sinks: must be >= 0"),
     (POLICY + ["--kv-evict-seed", "x"], {}, "--kv-evict-seed: expected an integer"),
+    # Every integer has an explicit range (vase_sglang.config.INT_RANGES): the seed is an int64
+    # >= 0 (2^63 overflowed in the step and stopped the scheduler), token counts stop at 2^24.
+    (POLICY + ["--kv-evict-seed", str(2**63)], {},
+     f"--kv-evict-seed: must be <= {2**63 - 1}, got {2**63}"),
+    (POLICY + ["--kv-evict-seed", "-1"], {}, "--kv-evict-seed: must be >= 0, got -1"),
+    (POLICY + ["--kv-evict-budget", str(2**40)], {},
+     f"--kv-evict-budget: must be <= {2**24}, got {2**40}"),
+    (POLICY + ["--kv-evict-max-budget", str(2**63)], {},
+     f"--kv-evict-max-budget: must be <= {2**24}, got {2**63}"),
+    (POLICY + ["--kv-evict-workspace-mb", str(2**40)], {},
+     f"--kv-evict-workspace-mb: must be <= {2**24}, got {2**40}"),
+    (POLICY + ["--kv-evict-mode", "elastic", "--kv-evict-ceiling", str(2**70)], {},
+     f"--kv-evict-ceiling: must be <= {2**24}, got {2**70}"),
     (["--kv-evict-budget", "128"], {}, "--kv-evict-budget: set --kv-evict-policy too"),
     (["--kv-evict-max-budget", "128"], {}, "--kv-evict-max-budget: set --kv-evict-policy too"),
     (POLICY + ["--kv-evict-max-budget", "512"], {},
@@ -163,6 +176,10 @@ REQUEST_CASES = [
     ({"policy": "vase-attnv", "value_slots": 30},
      "kv_evict.value_slots: value_slots (30) + sinks (4) must fit in budget - window (24)"),
     ({"sinks": -1}, "kv_evict.sinks: must be >= 0, got -1"),
+    ({"seed": 2**63}, f"kv_evict.seed: must be <= {2**63 - 1}, got {2**63}"),
+    ({"seed": -1}, "kv_evict.seed: must be >= 0, got -1"),
+    ({"seed": 1.5}, "kv_evict.seed: must be an integer, got 1.5"),
+    ({"budget": 2**64}, f"kv_evict.budget: must be <= {2**24}, got {2**64}"),
     # The server's limits (defaults: budget <= 8 of its own, window >= a quarter of its own, a
     # grid of that quarter, sinks <= its own): one request cannot hold an unbounded cache,
     # evict on every step, or split steps into many settings groups.

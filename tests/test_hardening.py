@@ -208,3 +208,52 @@ def test_requests_differing_only_in_their_seed_share_a_settings_group():
             req.decode_batch_idx = 5
         groups = step.due_groups(rt, _batch(reqs))
         assert sorted(groups.values()) == [[0, 1, 2], [3]]
+
+
+def test_pressure_cuts_fixed_requests_only_for_enough_and_never_for_admission():
+    """A fixed-mode request is cut early under decode pressure only where that frees half a
+    window (a pool that stays short would otherwise run a scoring pass per step for a slot or
+    two), and never for a waiting request: admission relief cuts elastic caches only."""
+    from test_elastic import _req as elastic_req
+
+    server = EvictionConfig(policy="streaming", budget=32, window=8)
+    with serving(server) as rt:
+        reqs = [elastic_req("fixed-big", 36, {}), elastic_req("fixed-small", 34, {}),
+                elastic_req("elastic", 300, {"mode": "elastic"})]
+        batch = _batch(reqs)
+
+        def cut(**kwargs):
+            groups, _ = step.pressure_groups(rt, batch, (), need=100, **kwargs)
+            return {batch.reqs[i].rid for members in groups.values() for i in members}
+
+        assert step.min_fixed_cut(server, 1) == 4
+        assert cut() == {"fixed-big", "elastic"}  # 34 frees 2 < 4: cut on schedule instead
+        assert cut(fixed=False) == {"elastic"}
+
+
+def test_a_prefix_off_the_page_grid_is_not_evicted(caplog):
+    """The row rewrite and the page frees assume the private cache starts on a page; a request
+    whose shared prefix does not (not seen with the radix cache on) keeps its whole cache."""
+    cfg = EvictionConfig(policy="streaming", budget=32, window=16)
+    with serving(cfg, page_size=16) as rt:
+        reqs = [_req(f"r{i}", list(range(1, 21))) for i in range(2)]
+        for i, (req, prefix) in enumerate(zip(reqs, (16, 20))):
+            req.kv.req_pool_idx, req.kv.cache_protected_len = i, prefix
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = prefix + 48
+            req.decode_batch_idx = 5
+        with caplog.at_level("WARNING", logger="vase_sglang.eviction"):
+            groups = step.due_groups(rt, _batch(reqs))
+            step.due_groups(rt, _batch(reqs))
+        assert list(groups.values()) == [[0]]
+        assert sum("does not end on a page of 16" in r.message for r in caplog.records) == 1
+
+
+def test_overlap_on_cuda_without_a_forward_stream_refuses_to_start(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="no forward_stream"):
+        scheduler_hooks.after_init_overlap(None, SimpleNamespace(enable_overlap=True,
+                                                                 forward_stream=None))
+    scheduler_hooks.after_init_overlap(None, SimpleNamespace(enable_overlap=False,
+                                                             forward_stream=None))
+    scheduler_hooks.after_init_overlap(None, SimpleNamespace(enable_overlap=True,
+                                                             forward_stream=object()))

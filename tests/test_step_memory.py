@@ -377,7 +377,8 @@ def test_a_policy_that_cannot_stream_is_skipped_not_run_outside_the_workspace(mo
     """A registered policy overriding select() has no streamed path: where one unit of it does
     not fit, its requests are not evicted this step (logged once), nothing is allocated
     outside the workspace, and the other groups are evicted as usual. A policy that streams
-    but cannot fit even streamed is an error, not an allocation."""
+    but cannot fit even streamed is an error, not an allocation: its requests are finished
+    with that error (nothing moved), and the step returns to the scheduler."""
     from vase_sglang.policies import Policy, register_policy
 
     class Reverse(Policy):
@@ -410,8 +411,17 @@ def test_a_policy_that_cannot_stream_is_skipped_not_run_outside_the_workspace(mo
     cfg = EvictionConfig(policy="snapkv", budget=23, window=4, sinks=3)
     rt, batch = _long_prompt_step(cfg, Workspace(torch.empty(64, dtype=torch.uint8), 10**6))
     monkeypatch.setattr(runtime, "RUNTIME", rt)
-    with pytest.raises(RuntimeError, match="even streamed in chunks of 16 candidates"):
-        step.evict(rt, batch)
+    before = [b.clone() for b in rt.k_buffers]
+    row = rt.req_to_token.clone()
+    assert step.evict(rt, batch) == 0
+    due = [r for r in batch.reqs if r.kv.kv_allocated_len > 3 + cfg.budget]
+    assert due and all("stage 'plan'" in r.to_finish.message
+                       and "even streamed in chunks of 16 candidates" in r.to_finish.message
+                       for r in due)
+    assert all(state.state(r).rounds == 0 and state.compacted(r) for r in due)
+    assert all(torch.equal(a, b) for a, b in zip(before, rt.k_buffers))
+    assert torch.equal(row, rt.req_to_token) and rt.stats.failures == len(due)
+    assert step.due_groups(rt, batch) == {}  # never evicted again: they are being finished
 
 
 def _unchunked(cfg, rt, batch):

@@ -15,6 +15,7 @@ arrays (vase_sglang/stream_select.py). How big a chunk may be is decided by the 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from . import ops
 from .config import EvictionConfig
 from .policies import POLICIES, Retention, select_candidates, select_tokens
 from .stream_select import Candidates
+
+logger = logging.getLogger("vase_sglang.eviction")
 
 ALIGN = 256  # bytes: every view carved from the workspace starts aligned for vector loads
 
@@ -65,6 +68,11 @@ def gather_layout(cfg: EvictionConfig, shapes: KVShapes, b: int, l: int, n: int,
     return layout
 
 
+def layout_bytes(layout) -> int:
+    """Bytes a gather layout takes in the workspace buffer (each view aligned)."""
+    return sum(aligned_size(tensor_bytes(shape, dtype)) for shape, dtype in layout)
+
+
 def kv_reads(cfg: EvictionConfig) -> tuple[bool, bool]:
     """Whether a step of this config gathers (keys, values). trimkv scores from the side
     buffers alone; only its value slots (the VaSE hybrid) read V."""
@@ -92,10 +100,18 @@ class Workspace:
     def size(self) -> int:
         return self.buffer_bytes + self.headroom
 
+    def fits(self, layout) -> bool:
+        return layout_bytes(layout) <= self.buffer_bytes
+
     def views(self, layout) -> list[torch.Tensor]:
-        total = sum(aligned_size(tensor_bytes(shape, dtype)) for shape, dtype in layout)
-        if total > self.buffer_bytes:
+        if not self.fits(layout):
+            # Planned steps fit (the engine's step splits a chunk before it gets here): this is
+            # a caller that planned none, or a plan that is off. Served, and said once.
             self.overflows += 1
+            if self.overflows == 1:
+                logger.warning("an eviction chunk's gathers need %d bytes, more than the "
+                               "%d-byte workspace: allocated outside it (logged once)",
+                               layout_bytes(layout), self.buffer_bytes)
             return [torch.empty(shape, dtype=dtype, device=self.buffer.device) for shape, dtype in layout]
         out, offset = [], 0
         for shape, dtype in layout:
@@ -163,12 +179,20 @@ def evict_chunk(cfg: EvictionConfig, k_buffers, v_buffers, ring, workspace: Work
     else:
         candidates = PoolCandidates(k_buffers, v_buffers, layers, slots, regions, candidate_chunk)
         keep = select_candidates(cfg, candidates, queries, **ids, **select_kwargs)
-    ops.compact_kv_(k_buffers, v_buffers, slots, keep, ascending=policy.ascending,
-                    first_layer=first_layer)
-    if policy.needs_retention:  # each slot's log β and position move with its K/V
-        ops.compact_kv_(side[0], side[1], slots, keep, ascending=policy.ascending,
+    try:
+        ops.compact_kv_(k_buffers, v_buffers, slots, keep, ascending=policy.ascending,
                         first_layer=first_layer)
+        if policy.needs_retention:  # each slot's log β and position move with its K/V
+            ops.compact_kv_(side[0], side[1], slots, keep, ascending=policy.ascending,
+                            first_layer=first_layer)
+    except Exception as err:
+        raise CompactionError(f"{type(err).__name__}: {err}") from err
     return keep
+
+
+class CompactionError(RuntimeError):
+    """The in-place compaction failed: the chunk's K/V may be moved in part (an engine
+    finishes those requests; the selection before it wrote nothing)."""
 
 
 class PoolCandidates(Candidates):

@@ -43,6 +43,39 @@ POLICY_NAMES = (
     "evict-large-values",
 )
 MODES = ("fixed", "elastic")
+# Explicit ranges of every integer setting, [low, high] inclusive, checked wherever a value enters
+# (flags, variables, configure(), per-request custom_params): a value outside them is refused
+# with a message naming the field, never carried into the step. Token counts stop at 2^24 (a
+# cache of 16M tokens per layer and head, beyond any served context); the seed is any int64 >= 0,
+# since draws hash it as one (vase_sglang/rng.py: the 63 bits below the sign).
+MAX_TOKENS = 1 << 24
+MAX_SEED = (1 << 63) - 1
+INT_RANGES = {
+    "budget": (2, MAX_TOKENS),
+    "window": (1, MAX_TOKENS),
+    "value_slots": (0, MAX_TOKENS),
+    "sinks": (0, MAX_TOKENS),
+    "seed": (0, MAX_SEED),
+    "ceiling": (2, MAX_TOKENS),
+    "workspace_mb": (1, 1 << 24),  # 16 TiB
+    "pool_kernel": (1, 1023),
+    "projection_rank": (1, 4096),
+}
+
+
+def check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
+    """`value` as a bounded integer setting (INT_RANGES[name] unless low/high are given);
+    raises ValueError "name: ..." for a non-integer (bools included) or a value out of range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    lo, hi = INT_RANGES.get(name, (None, None))
+    lo = lo if low is None else low
+    hi = hi if high is None else high
+    if lo is not None and value < lo:
+        raise ValueError(f"{name}: must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name}: must be <= {hi}, got {value}")
+    return value
 # Policies that may reserve value slots; trimkv's default is 0 (plain TRIM-KV).
 VALUE_SLOT_POLICIES = ("vase-attnv", "trimkv")
 
@@ -73,13 +106,7 @@ class EvictionConfig:
                 f"policy: unknown policy {self.policy!r}; choose one of {', '.join(known)}"
             )
         for name in ("budget", "window", "sinks", "seed", "pool_kernel", "projection_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}: must be an integer, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{name}: must be >= 0, got {value}")
-        if self.window < 1:
-            raise ValueError(f"window: must be >= 1, got {self.window}")
+            check_int(name, getattr(self, name))
         if self.budget <= self.window:
             raise ValueError(
                 f"budget: must be larger than window ({self.window}) since the budget includes "
@@ -88,29 +115,20 @@ class EvictionConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.ceiling is not None:
-            if isinstance(self.ceiling, bool) or not isinstance(self.ceiling, int):
-                raise ValueError(f"ceiling: must be an integer, got {self.ceiling!r}")
+            check_int("ceiling", self.ceiling)
             if self.ceiling < self.budget:
                 raise ValueError(f"ceiling: must be >= budget ({self.budget}), got {self.ceiling}")
-        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+        if self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel: must be a positive odd integer, got {self.pool_kernel}")
-        if self.projection_rank < 1:
-            raise ValueError(f"projection_rank: must be >= 1, got {self.projection_rank}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature > 0):
             raise ValueError(f"temperature: must be a finite number > 0, got {self.temperature!r}")
         if not (isinstance(self.rkv_lambda, (int, float)) and 0.0 <= self.rkv_lambda <= 1.0):
             raise ValueError(f"rkv_lambda: must be in [0, 1], got {self.rkv_lambda!r}")
-        if self.workspace_mb is not None and (
-            isinstance(self.workspace_mb, bool) or not isinstance(self.workspace_mb, int)
-            or self.workspace_mb < 1
-        ):
-            raise ValueError(f"workspace_mb: must be an integer >= 1, got {self.workspace_mb!r}")
+        if self.workspace_mb is not None:
+            check_int("workspace_mb", self.workspace_mb)
         if self.value_slots is not None:
-            if isinstance(self.value_slots, bool) or not isinstance(self.value_slots, int):
-                raise ValueError(f"value_slots: must be an integer, got {self.value_slots!r}")
-            if self.value_slots < 0:
-                raise ValueError(f"value_slots: must be >= 0, got {self.value_slots}")
+            check_int("value_slots", self.value_slots)
             if self.value_slots and self.policy not in VALUE_SLOT_POLICIES:
                 raise ValueError(
                     f"value_slots: only the vase-attnv policy reserves value slots (and trimkv, "

@@ -1,0 +1,95 @@
+"""Test-only fault injection, loaded into servers through VASE_KV_EVICT_PLUGINS=fault_policy.
+
+Registers `test-fault-<stage>` for each stage of the eviction step (patches/step.py: plan,
+stage, select, compact, rewrite): a policy that selects as snapkv does, and whose group raises
+a RuntimeError at that stage, inside the real step of a real server. Requests ask for one
+per request (custom_params.kv_evict.policy); every other request is untouched by this module.
+The hooks wrap the step's own functions in the scheduler process, at the point each stage
+runs: plan_group, _stage, the policy's selection, the in-place compaction, and the page free
+after the row rewrite (the row already moved: the rollback's hardest case)."""
+
+import contextvars
+import functools
+
+from vase_sglang import ops, register_policy
+from vase_sglang import chunk as chunk_module
+from vase_sglang.policies import POLICIES
+
+STAGES = ("plan", "stage", "select", "compact", "rewrite")
+PREFIX = "test-fault-"
+_group = contextvars.ContextVar("fault_policy_group", default=None)  # the policy in the step
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _fail_if(stage, policy):
+    if policy == PREFIX + stage:
+        raise InjectedFault(f"injected fault at stage {stage!r}")
+
+
+for _stage in STAGES:
+    register_policy(PREFIX + _stage, POLICIES["snapkv"])
+
+
+def _install():
+    try:
+        from vase_sglang_patches import step
+    except ImportError:  # not an SGLang process
+        return
+    if getattr(step, "_fault_policy_installed", False):
+        return
+    step._fault_policy_installed = True
+
+    plan_group = step.plan_group
+
+    @functools.wraps(plan_group)
+    def plan(rt, cfg, n, num_requests):
+        _fail_if("plan", cfg.policy)
+        return plan_group(rt, cfg, n, num_requests)
+
+    stage = step._stage
+
+    @functools.wraps(stage)
+    def staged(rt, reqs, cfg):
+        _fail_if("stage", cfg.policy)
+        return stage(rt, reqs, cfg)
+
+    evict_requests = step._evict_requests
+
+    @functools.wraps(evict_requests)
+    def in_group(rt, cfg, *args, **kwargs):
+        token = _group.set(cfg.policy)
+        try:
+            return evict_requests(rt, cfg, *args, **kwargs)
+        finally:
+            _group.reset(token)
+
+    select_tokens = chunk_module.select_tokens
+
+    @functools.wraps(select_tokens)
+    def select(cfg, *args, **kwargs):
+        _fail_if("select", _group.get())  # not in plan_group's traces on meta tensors
+        return select_tokens(cfg, *args, **kwargs)
+
+    compact_kv_ = ops.compact_kv_
+
+    @functools.wraps(compact_kv_)
+    def compact(*args, **kwargs):
+        _fail_if("compact", _group.get())
+        return compact_kv_(*args, **kwargs)
+
+    free = step._free
+
+    @functools.wraps(free)
+    def freeing(rt, slots):
+        _fail_if("rewrite", _group.get())
+        return free(rt, slots)
+
+    step.plan_group, step._stage, step._evict_requests, step._free = plan, staged, in_group, freeing
+    chunk_module.select_tokens = select
+    ops.compact_kv_ = compact
+
+
+_install()
