@@ -156,6 +156,7 @@ def after_post_pool(result, model_runner):
                     sum(t.numel() * 4 for t in (retention.w1, retention.b1, retention.w2,
                                                 retention.b2)) / 2**20)
     _warm_up(runtime.RUNTIME)
+    _prime_plans(runtime.RUNTIME)
     output.enable_in_scheduler()
     _log_enabled(runtime.RUNTIME)
 
@@ -268,6 +269,20 @@ def _warm_up(rt) -> None:
                    head_offset=rt.kv_head_offset, retention=rt.retention is not None,
                    page_size=rt.page_size)
     (logger.warning if done["errors"] else logger.info)("VaSE %s", done["summary"])
+
+
+def _prime_plans(rt) -> None:
+    """Trace the step costs of every cut an elastic server can make now (step.prime_plans),
+    rather than in the scheduler's step at the first cut to each new level."""
+    import time
+
+    from . import step
+
+    start = time.perf_counter()
+    count = step.prime_plans(rt)
+    if count:
+        logger.info("VaSE planned %d elastic cut sizes in %.2f s", count,
+                    time.perf_counter() - start)
 
 
 def _retention_buffers(model_runner, pool, head_offset: int, path: str | None):

@@ -17,12 +17,15 @@ The scheduler re-derives the config from the same dict (`effective_config`) once
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+
 from vase_sglang import EvictionConfig
 from vase_sglang.config import check_page_size
 from vase_sglang.policies import POLICIES
 
-from .settings import (GRID, MAX_BUDGET, MIN_WINDOW, RequestLimits, current, flag_name,
-                       published_page_size)
+from .settings import (GRID, MAX_BUDGET, MAX_SETTINGS, MIN_WINDOW, SETTINGS_IDLE_SECONDS,
+                       RequestLimits, current, flag_name, published_page_size)
 
 KEY = "kv_evict"
 FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed", "mode")
@@ -116,7 +119,7 @@ def check_limits(changes: dict, cfg: EvictionConfig, server: EvictionConfig,
     if cfg.window < limits.min_window:
         _fail("window", f"must be >= {limits.min_window}, this server's limit "
                         f"({flag_name(MIN_WINDOW)}); got {cfg.window}")
-    for field in ("budget", "window"):
+    for field in ("budget", "window", "value_slots"):
         value = changes.get(field)
         own = getattr(server, field)
         if value is not None and value != own and value % limits.grid:
@@ -129,10 +132,51 @@ def check_limits(changes: dict, cfg: EvictionConfig, server: EvictionConfig,
                        f"the larger); got {cfg.sinks}")
 
 
+class RecentSettings:
+    """The distinct per-request settings a server served lately, at most `limit` besides its
+    own: one more is admitted only in place of one unused for `idle_seconds`. So a step is
+    never split into more than limit + 1 settings groups for long, and step costs are traced
+    for at most `limit` new settings per `idle_seconds` (vase_sglang/plan.py caches them)."""
+
+    def __init__(self, idle_seconds: float = SETTINGS_IDLE_SECONDS, clock=time.monotonic):
+        self.idle_seconds, self.clock = idle_seconds, clock
+        self.last_used: OrderedDict = OrderedDict()  # settings -> when last asked for
+
+    def admit(self, settings, limit: int) -> bool:
+        now = self.clock()
+        if settings in self.last_used:
+            self.last_used.move_to_end(settings)
+        elif len(self.last_used) >= limit:
+            oldest, used = next(iter(self.last_used.items()))
+            if now - used < self.idle_seconds:
+                return False
+            del self.last_used[oldest]
+        self.last_used[settings] = now
+        return True
+
+
+RECENT = RecentSettings()  # of this process (the tokenizer manager, or one of its workers)
+
+
+def check_distinct(cfg: EvictionConfig | None, server: EvictionConfig, limits: RequestLimits,
+                   recent: RecentSettings = RECENT) -> None:
+    """Refuse a request whose settings would be one more than limits.max_settings distinct
+    ones in recent use (the seed is free: requests differing only there share a group)."""
+    if cfg is None:
+        return
+    settings = cfg.replace(seed=0)
+    if settings == server.replace(seed=0) or recent.admit(settings, limits.max_settings):
+        return
+    _fail(None, f"this server serves at most {limits.max_settings} distinct eviction settings "
+                f"besides its own at a time ({flag_name(MAX_SETTINGS)}), and each was used in "
+                f"the last {recent.idle_seconds:g} s; use the server's settings or one of "
+                "those, or retry later")
+
+
 def after_verify(result, self, *args, **kwargs):
-    """AFTER SamplingParams.verify (tokenizer manager): reject bad kv_evict values, and beam
-    search where the request would evict, with a ValueError, which SGLang answers with
-    HTTP 400."""
+    """AFTER SamplingParams.verify (tokenizer manager): reject bad kv_evict values, beam
+    search where the request would evict, and settings beyond the server's distinct-settings
+    bound, with a ValueError, which SGLang answers with HTTP 400."""
     custom = self.custom_params
     beam = (self.beam_width or 1) > 1
     if beam or (isinstance(custom, dict) and custom.get(KEY) is not None):
@@ -141,6 +185,8 @@ def after_verify(result, self, *args, **kwargs):
                                server.gates_path is not None, server.limits)
         if beam and cfg is not None:
             refuse_beam_search(self.beam_width)
+        if server.evicts:
+            check_distinct(cfg, server.config, server.limits)
     return result
 
 

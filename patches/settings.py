@@ -76,6 +76,7 @@ def flag_name(suffix: str) -> str:
 # limits bound what a request may choose; the prompt length is an assumption about the traffic).
 GATES = "retention-gates"
 MAX_BUDGET, MIN_WINDOW, GRID = "max-budget", "min-window", "grid"
+MAX_SETTINGS, DEFAULT_MAX_SETTINGS, SETTINGS_IDLE_SECONDS = "max-settings", 16, 60
 MAX_BUDGET_FACTOR = 8
 PROMPT_LEN = "expected-prompt-len"
 DEFAULT_PROMPT_LEN = 256
@@ -90,31 +91,39 @@ SERVER_FLAGS = {
     MIN_WINDOW: "Smallest window a request may ask for (eviction runs every `window` decode "
                 "tokens, so a small window costs a round on most steps). Default: a quarter of "
                 "--kv-evict-window, at least 1 (and never below --page-size, see the window).",
-    GRID: "A per-request budget and window must equal the server's or be a multiple of this, "
-          "so that few distinct settings groups share a decode batch (each group is one "
-          "batched selection). Default: the minimum window.",
+    GRID: "A per-request budget, window and value_slots must equal the server's or be a "
+          "multiple of this, so that few distinct settings groups share a decode batch (each "
+          "group is one batched selection). Default: the minimum window.",
+    MAX_SETTINGS: "Distinct per-request eviction settings (policy, budget, window, value_slots, "
+                  "sinks, mode; the seed is free) a server serves besides its own at a time: a "
+                  "request bringing one more, while each of these was used in the last "
+                  f"{SETTINGS_IDLE_SECONDS} s, gets HTTP 400. Bounds how many groups a step is "
+                  "split into and how many step costs are traced. Default "
+                  f"{DEFAULT_MAX_SETTINGS} (per tokenizer worker).",
     PROMPT_LEN: f"Mean prompt tokens per request that the query ring's rows are sized for "
                 f"(the ring holds one row per running request; rows beyond what the pool can "
                 f"run at prompt + budget tokens each are memory taken from the pool). Default "
                 f"{DEFAULT_PROMPT_LEN}; 0 sizes rows for the generated tokens alone. Only "
                 f"matters without --max-running-requests.",
 }
-INT_SERVER_FLAGS = (MAX_BUDGET, MIN_WINDOW, GRID, PROMPT_LEN)
+INT_SERVER_FLAGS = (MAX_BUDGET, MIN_WINDOW, GRID, MAX_SETTINGS, PROMPT_LEN)
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """What a request may choose in custom_params.kv_evict on this server (request_control):
-    budget <= max_budget; window >= min_window; budget and window equal to the server's or
-    multiples of `grid`; sinks <= max(the server's sinks, grid). They bound one request's
-    cache and step (the workspace holds one request at max_budget at once), its eviction
-    frequency, and the number of distinct settings groups in a step. The default max_budget,
-    8 budgets, is what the default workspace (64 requests at the budget, a unit's memory
-    grows linearly with its candidates) already holds at once: it costs no memory."""
+    budget <= max_budget; window >= min_window; budget, window and value_slots equal to the
+    server's or multiples of `grid`; sinks <= max(the server's sinks, grid); at most
+    `max_settings` distinct settings besides the server's in recent use. They bound one
+    request's cache and step (the workspace holds one request at max_budget at once), its
+    eviction frequency, and the number of distinct settings groups in a step. The default
+    max_budget, 8 budgets, is what the default workspace (64 requests at the budget, a unit's
+    memory grows linearly with its candidates) already holds at once: it costs no memory."""
 
     max_budget: int
     min_window: int
     grid: int
+    max_settings: int = DEFAULT_MAX_SETTINGS
 
     @classmethod
     def defaults(cls, cfg: EvictionConfig) -> "RequestLimits":
@@ -130,14 +139,15 @@ def limits_from_values(values: dict[str, object], cfg: EvictionConfig | None,
     if cfg is None or not cfg.evicts:
         return None
     chosen = {}
-    for suffix in (MAX_BUDGET, MIN_WINDOW, GRID):
+    for suffix in (MAX_BUDGET, MIN_WINDOW, GRID, MAX_SETTINGS):
         raw = values.get(suffix)
         if raw not in (None, ""):
             chosen[suffix] = _int_flag(raw, suffix, source, minimum=1)
     limits = RequestLimits.defaults(cfg)
     min_window = chosen.get(MIN_WINDOW, limits.min_window)
     limits = RequestLimits(max_budget=chosen.get(MAX_BUDGET, limits.max_budget),
-                           min_window=min_window, grid=chosen.get(GRID, min_window))
+                           min_window=min_window, grid=chosen.get(GRID, min_window),
+                           max_settings=chosen.get(MAX_SETTINGS, limits.max_settings))
     if limits.max_budget < cfg.budget:
         raise ValueError(f"{source(MAX_BUDGET)}: must be >= {source('budget')} ({cfg.budget}), "
                          f"got {limits.max_budget}")

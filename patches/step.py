@@ -38,7 +38,8 @@ from typing import NamedTuple
 import torch
 
 from vase_sglang import ops
-from vase_sglang.plan import MIN_CANDIDATE_CHUNK, StepPlan, group_bytes, plan_step, step_cost
+from vase_sglang.plan import (MIN_CANDIDATE_CHUNK, StepPlan, cut_samples, group_bytes, plan_step,
+                              step_cost)
 from vase_sglang.chunk import CompactionError, evict_chunk, gather_layout
 from vase_sglang.elastic import Holding, freed_by_cut, water_fill
 from vase_sglang.policies import POLICIES
@@ -325,6 +326,21 @@ def plan_group(rt, cfg, n, num_requests) -> StepPlan | None:
             "score_streamed): these requests are not evicted this time, their caches "
             "grow; raise --kv-evict-workspace-mb", message)
     return None
+
+
+def prime_plans(rt) -> int:
+    """At startup, on a server whose own mode is elastic: trace the cost of every cut its
+    requests can reach (plan.cut_samples: each power-of-two bucket of levels and candidates,
+    up to the longest private cache), so that no cut traces in the scheduler's step.
+    Returns how many were planned."""
+    cfg = rt.cfg
+    if not cfg.evicts or not cfg.elastic:
+        return 0
+    top = rt.max_candidates or rt.limits.max_budget
+    samples = cut_samples(cfg.budget, top)
+    for level, n in samples:
+        plan_group(rt, cfg.replace(budget=level, ceiling=None), n, 1)
+    return len(samples)
 
 
 # -- 3. per chunk: gather -> select -> compact, then 4. rewrite and 5. apply -------------------

@@ -78,12 +78,16 @@ def max_logprob_diff(a, b, tol=None):
 # default assumes 256-token prompts and would cap the small test pools at a few running
 # requests, below what admission admits there).
 TEST_PROMPT_LEN = ["--kv-evict-expected-prompt-len", "8"]
+# The shared servers serve dozens of test modules' per-request settings within a minute; the
+# bound on distinct settings (default 16, tests/test_fail_safe.py) is raised for them.
+TEST_MAX_SETTINGS = ["--kv-evict-max-settings", "1024"]
 
 
 def _test_args(args) -> list[str]:
     args = list(args)
-    if "--kv-evict-policy" in args and TEST_PROMPT_LEN[0] not in args:
-        args += TEST_PROMPT_LEN
+    for flag in (TEST_PROMPT_LEN, TEST_MAX_SETTINGS):
+        if "--kv-evict-policy" in args and flag[0] not in args:
+            args += flag
     return args
 
 

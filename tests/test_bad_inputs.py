@@ -59,6 +59,7 @@ LAUNCH_CASES = [
     (POLICY + ["--kv-evict-min-window", "128"], {},
      "--kv-evict-min-window: must be <= --kv-evict-window (64), got 128"),
     (POLICY + ["--kv-evict-grid", "0"], {}, "--kv-evict-grid: must be >= 1, got 0"),
+    (POLICY + ["--kv-evict-max-settings", "0"], {}, "--kv-evict-max-settings: must be >= 1, got 0"),
     (POLICY + ["--kv-evict-expected-prompt-len", "-5"], {},
      "--kv-evict-expected-prompt-len: must be >= 0, got -5"),
     (POLICY + ["--page-size", "16", "--kv-evict-window", "8"], {},
@@ -179,7 +180,7 @@ REQUEST_CASES = [
     ({"seed": 2**63}, f"kv_evict.seed: must be <= {2**63 - 1}, got {2**63}"),
     ({"seed": -1}, "kv_evict.seed: must be >= 0, got -1"),
     ({"seed": 1.5}, "kv_evict.seed: must be an integer, got 1.5"),
-    ({"budget": 2**64}, f"kv_evict.budget: must be <= {2**24}, got {2**64}"),
+    ({"budget": 2**40}, f"kv_evict.budget: must be <= {2**24}, got {2**40}"),
     # The server's limits (defaults: budget <= 8 of its own, window >= a quarter of its own, a
     # grid of that quarter, sinks <= its own): one request cannot hold an unbounded cache,
     # evict on every step, or split steps into many settings groups.
@@ -191,6 +192,8 @@ REQUEST_CASES = [
                      "server's value 32; got 25"),
     ({"sinks": 6}, "kv_evict.sinks: must be <= 4 (the server's sinks or --kv-evict-grid, the "
                    "larger); got 6"),
+    ({"policy": "vase-attnv", "value_slots": 5}, "kv_evict.value_slots: must be a multiple of 2 "
+                                                 "(--kv-evict-grid); got 5"),
     ("off", "kv_evict: expected false, true or an object with keys policy, budget, window, "
             "value_slots, sinks, seed, mode; got 'off'"),
 ]
@@ -434,3 +437,28 @@ def test_docs_supported_md_matches_the_table():
     doc = Path(__file__).resolve().parent.parent / "docs" / "supported.md"
     assert doc.read_text() == supported.table_markdown(), (
         "docs/supported.md is stale: python -m vase_sglang_patches.supported > docs/supported.md")
+
+
+def test_distinct_settings_in_recent_use_are_bounded():
+    """At most max_settings distinct settings besides the server's own in recent use (the seed
+    is free): one more is refused naming the flag, until one of them has been idle."""
+    from vase_sglang_patches.request_control import RecentSettings, check_distinct
+    from vase_sglang_patches.settings import RequestLimits
+
+    now = [0.0]
+    recent = RecentSettings(idle_seconds=60, clock=lambda: now[0])
+    server = EvictionConfig(policy="snapkv", budget=32, window=8)
+    limits = RequestLimits(max_budget=256, min_window=2, grid=2, max_settings=2)
+    a, b, c = (server.replace(budget=budget) for budget in (40, 48, 56))
+    for cfg in (a, b, a.replace(seed=7), server.replace(seed=3), server, None):
+        check_distinct(cfg, server, limits, recent)
+    with pytest.raises(ValueError, match=r"^kv_evict: this server serves at most 2 distinct "
+                                         r"eviction settings besides its own at a time "
+                                         r"\(--kv-evict-max-settings\)"):
+        check_distinct(c, server, limits, recent)
+    now[0] = 30.0
+    check_distinct(b, server, limits, recent)  # b stays in use; a goes idle
+    now[0] = 61.0
+    check_distinct(c, server, limits, recent)  # in place of a, idle for 61 s
+    with pytest.raises(ValueError, match="at most 2 distinct"):
+        check_distinct(a, server, limits, recent)

@@ -257,3 +257,26 @@ def test_overlap_on_cuda_without_a_forward_stream_refuses_to_start(monkeypatch):
                                                              forward_stream=None))
     scheduler_hooks.after_init_overlap(None, SimpleNamespace(enable_overlap=True,
                                                              forward_stream=object()))
+
+
+def test_an_elastic_server_plans_every_cut_at_startup():
+    """Elastic cuts go to levels of a grid (vase_sglang/elastic.py) over any number of
+    candidates; the step's cost model is keyed so that they share a few traces, which
+    step.prime_plans makes at startup: no cut traces in the scheduler's step afterwards, and
+    a request's own sinks or seed never trace at all."""
+    from vase_sglang import plan
+    from vase_sglang.elastic import level_grid
+
+    cfg = EvictionConfig(policy="vase-attnv", budget=24, window=8, mode="elastic")
+    with serving(cfg) as rt:
+        plan._chunk_cost.cache_clear()
+        rt.max_candidates, rt.workspace = 700, None
+        rt.__post_init__()  # the startup's own traces (the workspace's sizing)
+        assert step.prime_plans(rt) == len(plan.cut_samples(24, 700)) > 0
+        traced = plan._chunk_cost.cache_info().misses
+        for level in level_grid(700):
+            for n in range(max(level, 24) + 1, 700, 37):
+                step.plan_group(rt, cfg.replace(budget=max(level, 24), ceiling=None), n, 3)
+        for other in (cfg.replace(sinks=0), cfg.replace(seed=12345), cfg.replace(mode="fixed")):
+            step.plan_group(rt, other, 24, 2)
+        assert plan._chunk_cost.cache_info().misses == traced

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import ops
 from .chunk import KVShapes, Workspace, aligned_size, tensor_bytes, evict_chunk, gather_layout
-from .config import EvictionConfig
+from .config import VALUE_SLOT_POLICIES, EvictionConfig
 from .policies import POLICIES
 
 DEFAULT_UNITS = 64  # (request, layer) units per chunk the default workspace is sized for
@@ -141,21 +141,68 @@ def trace_chunk(cfg: EvictionConfig, shapes: KVShapes, n: int, b: int, l: int, s
 def chunk_cost(cfg: EvictionConfig, shapes: KVShapes, n: int, device: str,
                chunk: int | None = None) -> ChunkCost:
     """The cost of a chunk with n candidates, traced at the smallest of {cfg.budget, powers
-    of two} >= n (costs grow with n), so a server traces a handful of sizes in its life (the
-    number of sinks only changes which entries a mask sets: traced at cfg.sinks). chunk: of
-    the streamed stage with candidate chunks of that many tokens (costs grow with it too; the
-    plan uses powers of two, `candidate_chunks`)."""
-    bucket = cfg.budget if n <= cfg.budget else 1 << (n - 1).bit_length()
+    of two} >= n (costs grow with n), so a server traces a handful of sizes in its life.
+    chunk: of the streamed stage with candidate chunks of that many tokens (costs grow with
+    it too; the plan uses powers of two, `candidate_chunks`).
+
+    Only what changes a chunk's memory is in the trace's key (cost_key), and a cut below the
+    bucket (an elastic level, or pressure) is traced at its budget rounded up to a power of
+    two: costs never fall as the budget grows (measured on Qwen3-4B shapes: flat, then higher
+    as the kept count nears n), so the levels a server cuts to share a few traces."""
+    key, bucket, chunk = cost_key(cfg, n, chunk)
+    return _chunk_cost(key, shapes, bucket, key.sinks, device, chunk)
+
+
+def cost_key(cfg: EvictionConfig, n: int, chunk: int | None = None):
+    """(settings, candidate bucket, candidate chunk) a chunk's cost is traced at: the seed
+    (what is drawn), the workspace size (how a step is chunked), the mode and ceiling (when
+    a step runs) and the sinks (which entries a mask sets) are left out; the value slots are
+    pinned to the count they resolve to; below the bucket, the budget (and the value slots)
+    are rounded up to a power of two (at most the bucket)."""
+    if n <= cfg.budget:
+        bucket = budget = cfg.budget
+    else:
+        bucket = _power_of_two(n)
+        budget = min(_power_of_two(cfg.budget), bucket)
     if chunk is not None and chunk >= bucket:
         chunk = None  # one chunk holds every candidate: the plain stage
-    # The seed changes what is drawn, the workspace size how a step is chunked: neither
-    # changes a chunk's memory, so configs differing only there share their traces.
-    # Nor does the mode (when a step runs, not what it does).
-    cfg = cfg.replace(seed=0, workspace_mb=None, mode="fixed", ceiling=None)
-    return _chunk_cost(cfg, shapes, bucket, cfg.sinks, device, chunk)
+    value_slots = None
+    if cfg.policy in VALUE_SLOT_POLICIES:
+        value_slots = cfg.n_value_slots
+        if budget != cfg.budget and cfg.value_slots is None:  # the default, at that budget
+            value_slots = cfg.replace(budget=budget, sinks=0).n_value_slots
+        elif budget != cfg.budget and value_slots:  # rounded up with the budget
+            value_slots = min(_power_of_two(value_slots), budget - cfg.window)
+    key = cfg.replace(seed=0, workspace_mb=None, mode="fixed", ceiling=None, sinks=0,
+                      value_slots=value_slots, budget=budget)
+    return key, bucket, chunk
 
 
-@functools.lru_cache(maxsize=256)
+def cut_samples(budget: int, max_candidates: int) -> list[tuple[int, int]]:
+    """(level, n): one cut per cost_key a server of this budget can reach when it cuts
+    requests of up to `max_candidates` private tokens to levels >= budget (elastic mode),
+    n candidates > level. Tracing these at startup leaves no trace for the first cuts."""
+    samples = []
+    top = _power_of_two(max(max_candidates, budget + 1))
+    bucket = _power_of_two(budget + 1)  # n > level >= budget
+    while bucket <= top:
+        level_bucket = _power_of_two(budget)
+        while level_bucket <= bucket:
+            level = max(budget, level_bucket // 2 + 1)
+            if level < bucket:
+                samples.append((level, bucket))
+            level_bucket *= 2
+        bucket *= 2
+    return samples
+
+
+def _power_of_two(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+# Sized to hold every trace of the settings a server accepts at once (RequestLimits.
+# max_settings, each with its elastic levels' buckets), so that none is traced twice.
+@functools.lru_cache(maxsize=2048)
 def _chunk_cost(cfg, shapes, n, sinks, device, chunk=None) -> ChunkCost:
     # A 1 x 1 chunk alone can take other paths (matmul folds size-1 batch dims into one mm),
     # so a 2 x 2 chunk's peak per unit is traced too and the larger of the two is kept.
