@@ -194,14 +194,25 @@ def server_prompt_lengths(client_result: dict, before: dict, after: dict) -> lis
 
 
 def concurrency_bound(pool: int, prompt_lens: list[int], budget: int, window: int,
-                      page_size: int = 1) -> float:
-    """N / (P + T + R) with P the mean prompt length the server saw: how many requests fit at
-    once when each holds its prompt plus a full budget and window. With pages, a request
-    holds its prompt's whole pages (tree-owned) and at most T + R private tokens, the prompt's
-    partial page included, in whole pages."""
+                      page_size: int = 1, ring: int = 0) -> float:
+    """N / (P + T + R + ring) with P the mean prompt length the server saw: how many requests
+    fit at once when each holds its prompt plus a full budget and window, and, where its
+    policy scores with queries, its query ring's `ring` pool slots (vase_sglang/pool_ring.py;
+    whole pages). With pages, a request holds its prompt's whole pages (tree-owned) and at
+    most T + R private tokens, the prompt's partial page included, in whole pages."""
     private = -(-(budget + window) // page_size) * page_size
-    held = [p // page_size * page_size + private for p in prompt_lens]
+    held = [p // page_size * page_size + private + ring for p in prompt_lens]
     return pool / (sum(held) / len(held))
+
+
+RING_LINE = re.compile(r"VaSE eviction on: .*?query ring: (\d+) pool slots per request")
+
+
+def ring_slots(log: str) -> int:
+    """The pool slots a request's query ring takes on this server (its startup log), 0 for
+    stock SGLang or a policy that reads no queries."""
+    m = RING_LINE.search(log)
+    return int(m.group(1)) if m else 0
 
 
 def run_client(server: BenchServer, args, concurrency: int, out_file: Path, tokenizer: str) -> dict:
@@ -251,7 +262,7 @@ def measure_run(server: BenchServer, args, c: int, evicting: bool, page_size: in
         "prompt_tokens_mean": sum(prompts) / len(prompts),
         "prompt_tokens_min": min(prompts), "prompt_tokens_max": max(prompts),
         "bound": concurrency_bound(pool or args.max_total_tokens, prompts, args.budget,
-                                   args.window, page_size),
+                                   args.window, page_size, ring_slots(server.output())),
         "retracted_requests": retracted_requests(text, before, after),
         "eviction_seconds": evict_s,
         "eviction_time_share": None if evict_s is None else evict_s / result["duration"],
@@ -644,9 +655,6 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
     n = args.max_total_tokens
     # the server's prompts are longer than --input-len (re-tokenized text): 2x slack
     ceiling_pool = int(args.num_prompts * (2 * args.input_len + args.output_len) * 1.05) + 1024
-    # The query ring's rows are sized for the client's nominal prompt length: the server's
-    # (longer, re-tokenized) prompts then never make the ring cap the running requests.
-    ring = ["--kv-evict-expected-prompt-len", str(args.input_len)]
     # only trimkv reads the gates: the other arms run (and are recorded) without them
     gates = ["--kv-evict-retention-gates", str(args.gates)] if args.gates else []
 
@@ -666,7 +674,7 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
                 for p in args.policies:
                     arms.append((f"{p}@N{sfx}", [*kv_args, "--kv-evict-policy", p,
                                                  "--kv-evict-budget", str(args.budget),
-                                                 "--kv-evict-window", str(args.window), *ring,
+                                                 "--kv-evict-window", str(args.window),
                                                  *gates_for(p)], pool, page))
             if "vase-dp2" in selected:
                 for p in args.policies:
@@ -675,7 +683,7 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
                                                       "--kv-evict-policy", p,
                                                       "--kv-evict-budget", str(args.budget),
                                                       "--kv-evict-window", str(args.window),
-                                                      *ring, *gates_for(p)], pool // 2, page))
+                                                      *gates_for(p)], pool // 2, page))
             if "ceiling" in selected:
                 arms.append((f"ceiling{sfx}", kv_args, ceiling_pool, page))
     return arms

@@ -69,7 +69,6 @@ def make_requests(args):
 def server_args(args, mode):
     flags = ["--kv-evict-policy", args.policy, "--kv-evict-budget", str(args.budget),
              "--kv-evict-window", str(args.window),
-             "--kv-evict-expected-prompt-len", str(args.prompt_len),  # the ring's rows
              *MODES[mode], *args.server_args]
     if args.device == "cpu":
         return ["--dtype", "float32"] + flags

@@ -177,6 +177,8 @@ def _record_shortfall(adder, req, result, charge: int | None) -> None:
         reserved = min(reserved, charge)
     extend = len(req.full_untruncated_fill_ids) - req.prefix_len
     cost = adder.ceil_paged_tokens(extend) + reserved + adder.page_size
+    if charge is not None:
+        cost += ring_charge(req)
     shortfall = cost - min(adder.rem_total_tokens, adder.cur_rem_tokens)
     if shortfall > 0:
         holder.append(int(shortfall))
@@ -201,6 +203,7 @@ def around_check_prefill_budget(original, self, req, *args, total_tokens, **kwar
     if admitting is not None and admitting[0] is req:
         reserved = self._swa_new_tokens(req)
         total_tokens -= reserved - min(reserved, admitting[1])
+        total_tokens += ring_charge(req)
     return original(self, req, *args, total_tokens=total_tokens, **kwargs)
 
 
@@ -209,8 +212,18 @@ def around_update_prefill_budget(original, self, prefix_len, extend_input_len, m
     """AROUND PrefillAdder._update_prefill_budget: reserve at most the charge."""
     admitting = _ADMITTING.get()
     if admitting is not None:
-        max_new_tokens = min(max_new_tokens, admitting[1])
+        max_new_tokens = min(max_new_tokens, admitting[1]) + ring_charge(admitting[0])
     return original(self, prefix_len, extend_input_len, max_new_tokens, *args, **kwargs)
+
+
+def ring_charge(req) -> int:
+    """Pool slots the query ring of `req` takes when it is admitted (0 where its policy reads
+    no queries, or it holds its ring already): charged like prompt tokens, since they are
+    allocated with its prefill (scheduler.after_prepare_for_extend)."""
+    from . import runtime
+
+    rt = runtime.RUNTIME
+    return 0 if rt is None else rt.ring_charge(req)
 
 
 def around_running_offset(original, self, req):

@@ -125,7 +125,7 @@ def after_post_pool(result, model_runner):
     num_q_heads, head_dim = layers[0].tp_q_head_num, layers[0].qk_head_dim
     queries = token_rows = None
     if POLICIES[cfg.policy].needs_queries:
-        queries, token_rows = _query_buffers(model_runner, pool, cfg.window, num_q_heads, head_dim)
+        queries, token_rows = _query_buffers(model_runner, pool, cfg, num_q_heads, head_dim)
     retention = _retention_buffers(model_runner, pool, head_offset, server.gates_path)
     runtime.RUNTIME = runtime.EvictionRuntime(
         cfg=cfg,
@@ -226,19 +226,44 @@ def check_fp8_kernels(kv_dtype, capability: tuple[int, int]) -> None:
         )
 
 
-def _query_buffers(model_runner, pool, window: int, num_q_heads: int, head_dim: int):
-    """The query ring [layers, request rows, window, H_q, D] (reserved in the memory plan:
-    memory.around_profile) and the extend capture's ring row per token."""
+def _query_buffers(model_runner, pool, cfg, num_q_heads: int, head_dim: int):
+    """The query ring, held in the KV pool's own slots (vase_sglang/pool_ring.py: a table of
+    each request row's ring slots, filled when a request is admitted), and the extend
+    capture's ring row per token."""
+    from vase_sglang.pool_ring import PoolRing, RingSlots, slots_per_request
+
     req_pool = model_runner.req_to_token_pool
     if SCRATCH_ROW in req_pool.free_slots:
         raise ValueError(
             f"--model-path: request table {type(req_pool).__name__} hands out row "
             f"{SCRATCH_ROW}, which the query capture uses as its scratch row"
         )
+    from sglang.srt.runtime_context import get_schedule
+
+    from .memory import kv_shapes, ring_storage_slots
+
+    window = cfg.window
     rows = req_pool.req_to_token.shape[0]
     device = pool.k_buffer[0].device
-    queries = torch.zeros((len(pool.k_buffer), rows, window, num_q_heads, head_dim),
-                          dtype=query_ring_dtype(pool.dtype, model_runner.dtype), device=device)
+    dtype = query_ring_dtype(pool.dtype, model_runner.dtype)
+    k_buffers = _as_kv_dtype(pool.k_buffer, pool.dtype)
+    v_buffers = _as_kv_dtype(pool.v_buffer, pool.dtype)
+    page_size = model_runner.token_to_kv_pool_allocator.page_size
+    shapes = kv_shapes(_attention_layers(model_runner.model), pool.dtype, window,
+                       model_runner.dtype)
+    own = ring_storage_slots(settings.current(), shapes, get_schedule().max_total_tokens,
+                             page_size)
+    storage = None
+    if own:  # beside a --max-total-tokens pool (memory.ring_storage_slots)
+        k_buffers = [torch.zeros((own + 1, *k.shape[1:]), dtype=k.dtype, device=device)
+                     for k in k_buffers]
+        v_buffers = [torch.zeros_like(k) for k in k_buffers]
+        storage, page_size = RingSlots(own, device), 1
+    per_request = slots_per_request(window, num_q_heads, head_dim, dtype, pool.head_num,
+                                    k_buffers[0].element_size(), page_size)
+    table = torch.zeros((rows, per_request), dtype=torch.int64, device=device)
+    queries = PoolRing(k_buffers, v_buffers, table, window, num_q_heads, head_dim, dtype)
+    queries.storage = storage  # None: the slots come from the KV pool's allocator
     # One entry per token of any extend forward: real tokens each hold a pool slot,
     # padded prefill-graph buckets are at most the largest captured bucket.
     token_rows = torch.full((max(pool.size, _largest_prefill_bucket()) + 1,), SCRATCH_ROW,
@@ -248,13 +273,17 @@ def _query_buffers(model_runner, pool, window: int, num_q_heads: int, head_dim: 
 
 def _log_enabled(rt) -> None:
     queries, token_rows, workspace = rt.queries, rt.token_rows, rt.workspace
-    ring = 0 if queries is None else queries.numel() * queries.element_size()
     rows_mb = 0 if token_rows is None else token_rows.numel() * token_rows.element_size() / 2**20
+    if rt.ring_storage is not None:
+        ring = (f"query ring beside the pool: {rt.ring_slots} slots a request of "
+                f"{rt.ring_storage.size} in its own storage")
+    else:
+        ring = f"query ring: {rt.ring_slots} pool slots per request"
     logger.info(
-        "VaSE eviction on: %s (query ring %.1f MiB = %d bytes of %s, token rows %.1f MiB; "
-        "step workspace %.1f MiB = %.1f MiB buffer + %.1f MiB for temporaries; "
-        "KV heads from %d; %s)",
-        rt.cfg, ring / 2**20, ring, None if queries is None else queries.dtype, rows_mb,
+        "VaSE eviction on: %s (%s whose policy reads queries, %s; token rows %.1f MiB; step "
+        "workspace %.1f MiB = %.1f MiB buffer + %.1f MiB for temporaries; KV heads from %d; "
+        "%s)",
+        rt.cfg, ring, None if queries is None else queries.dtype, rows_mb,
         workspace.size / 2**20, workspace.buffer_bytes / 2**20, workspace.headroom / 2**20,
         rt.kv_head_offset, rt.attention,
     )

@@ -185,10 +185,46 @@ def around_release_kv_cache(original, req, tree_cache, *args, checkpoint, **kwar
     """AROUND release_kv_cache (a finished or retracted request gives its row back; with
     `checkpoint` the tree first keeps what it can key): a compacted request's slots no longer
     hold the true tokens at their positions, so publishing them would poison the tree (and
-    free its slots twice). Retraction releases before Req.reset_for_retract clears the state."""
+    free its slots twice). Retraction releases before Req.reset_for_retract clears the state.
+    The request's query-ring slots go back with its row."""
     if checkpoint and state.compacted(req):
         checkpoint = False
-    return original(req, tree_cache, *args, checkpoint=checkpoint, **kwargs)
+    result = original(req, tree_cache, *args, checkpoint=checkpoint, **kwargs)
+    rt = runtime.RUNTIME
+    if rt is not None:
+        rt.free_ring(req)
+    return result
+
+
+TARGET_PREPARE_EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+
+
+def after_prepare_for_extend(result, batch, *args, **kwargs):
+    """AFTER ScheduleBatch.prepare_for_extend (a prefill batch has its rows and slots): each
+    request whose policy scores with queries gets its query-ring slots from the pool
+    (vase_sglang/pool_ring.py), charged at admission (footprint.py), before the forward that
+    captures its prompt's last queries. A pool without room (admission charged them: not
+    expected) finishes that request with an error rather than serve it without its ring."""
+    rt = runtime.RUNTIME
+    if rt is not None and rt.ring_slots:
+        for req in batch.reqs:
+            if not rt.allocate_ring(req, batch.tree_cache):
+                state.mark_failed(req, f"the KV cache pool had no {rt.ring_slots} slots left for "
+                                       "the request's query ring; the request was stopped")
+    return result
+
+
+TARGET_UNCACHED = ("sglang.srt.managers.scheduler_components.invariant_checker."
+                   "SchedulerInvariantChecker._get_total_uncached_sizes")
+
+
+def around_uncached_sizes(original, checker, *args, **kwargs):
+    """AROUND SchedulerInvariantChecker._get_total_uncached_sizes (SGLang's busy-time memory
+    check: available + evictable + protected + held + uncached == total): the query-ring
+    slots the requests hold are outside their rows, and counted here."""
+    full, swa = original(checker, *args, **kwargs)
+    rt = runtime.RUNTIME
+    return (full + (rt.ring_held if rt is not None else 0)), swa
 
 
 # A retracted request re-prefills origin_input_ids + output_ids. Stock SGLang matches all of
@@ -227,6 +263,8 @@ HOOKS = [
     (TARGET_RETRACTION_ORDER, "AROUND", around_retraction_order),
     (TARGET_RESET_FOR_RETRACT, "AFTER", after_reset_for_retract),
     (TARGET_RELEASE_KV, "AROUND", around_release_kv_cache),
+    (TARGET_PREPARE_EXTEND, "AFTER", after_prepare_for_extend),
+    (TARGET_UNCACHED, "AROUND", around_uncached_sizes),
     (TARGET_MAX_PREFIX_LEN, "AROUND", around_max_prefix_len),
     (TARGET_TREE_CHECKPOINT, "AROUND", around_tree_checkpoint),
 ]

@@ -100,13 +100,28 @@ SERVER_FLAGS = {
                   f"{SETTINGS_IDLE_SECONDS} s, gets HTTP 400. Bounds how many groups a step is "
                   "split into and how many step costs are traced. Default "
                   f"{DEFAULT_MAX_SETTINGS} (per tokenizer worker).",
-    PROMPT_LEN: f"Mean prompt tokens per request that the query ring's rows are sized for "
-                f"(the ring holds one row per running request; rows beyond what the pool can "
-                f"run at prompt + budget tokens each are memory taken from the pool). Default "
-                f"{DEFAULT_PROMPT_LEN}; 0 sizes rows for the generated tokens alone. Only "
-                f"matters without --max-running-requests.",
+    PROMPT_LEN: "No longer used: the query ring is held in the pool's own slots by the "
+                "requests that read queries, so no prompt length is assumed and nothing caps "
+                "the running requests (docs/memory.md). Accepted, and ignored, for old "
+                "command lines.",
 }
+RING, RING_PLACES = "ring", ("auto", "pool", "beside")
+SERVER_FLAGS[RING] = ("Where the query ring (the last window's queries of each request whose "
+                      "policy reads them) is held: pool = in the KV pool's own slots, charged "
+                      "to the request (memory is shared between K/V and rings); beside = in "
+                      "its own storage next to a --max-total-tokens pool, sized for every "
+                      "request that pool can run; auto (default) = beside with "
+                      "--max-total-tokens, else pool (docs/memory.md).")
 INT_SERVER_FLAGS = (MAX_BUDGET, MIN_WINDOW, GRID, MAX_SETTINGS, PROMPT_LEN)
+
+
+def ring_from_values(values: dict[str, object], source=flag_name) -> str:
+    raw = values.get(RING)
+    if raw in (None, ""):
+        return "auto"
+    if raw not in RING_PLACES:
+        raise ValueError(f"{source(RING)}: must be one of {', '.join(RING_PLACES)}, got {raw!r}")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -204,6 +219,7 @@ def config_from_values(values: dict[str, object], source=flag_name) -> EvictionC
                          f"vase_sglang.retention train --model ...`)")
     limits_from_values(values, cfg, source)  # the server-only settings, checked with the rest
     prompt_len_from_values(values, source)
+    ring_from_values(values, source)
     return cfg
 
 
@@ -238,7 +254,8 @@ class ServerSettings:
     config: EvictionConfig | None = None
     limits: RequestLimits | None = None
     gates_path: str | None = None
-    expected_prompt_len: int = DEFAULT_PROMPT_LEN
+    expected_prompt_len: int = DEFAULT_PROMPT_LEN  # no longer used (PROMPT_LEN's help)
+    ring: str = "auto"  # where the query ring is held (RING's help)
 
     @property
     def evicts(self) -> bool:
@@ -251,7 +268,8 @@ class ServerSettings:
         config = config_from_values(values, source)
         return cls(config=config, limits=limits_from_values(values, config, source),
                    gates_path=str(values.get(GATES)) if values.get(GATES) else None,
-                   expected_prompt_len=prompt_len_from_values(values, source))
+                   expected_prompt_len=prompt_len_from_values(values, source),
+                   ring=ring_from_values(values, source))
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "ServerSettings":

@@ -31,6 +31,7 @@ class RequestEviction:
     token_crc: int = 0
     min_budget: int | None = None  # the smallest budget it was cut to (meta_info), None: never
     failed: bool = False  # an eviction step failed on it: never evicted again, being finished
+    ring_row: int | None = None  # the request-table row whose query-ring slots it holds
 
 
 STATE = "_vase"

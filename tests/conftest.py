@@ -152,7 +152,10 @@ def snapkv_server(tiny_model_fp32):
     (tests/fault_policy.py: a step that fails at a chosen stage) loaded, so requests can
     ask for them. Shared by every module that needs these settings; each module runs the idle
     leak check (wait_idle_checked) after its own requests."""
-    flags = ["--dtype", "float32", "--decode-log-interval", "1", "--enable-metrics"]
+    # Its query rings are held in the pool (--kv-evict-ring pool), as on a server started
+    # without --max-total-tokens; the other shared servers hold them beside their pools.
+    flags = ["--dtype", "float32", "--decode-log-interval", "1", "--enable-metrics",
+             "--kv-evict-ring", "pool"]
     for key, value in SNAPKV.items():
         flags += ["--kv-evict-" + key, str(value)]
     tests_dir = os.path.dirname(os.path.abspath(__file__))

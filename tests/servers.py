@@ -74,10 +74,6 @@ def max_logprob_diff(a, b, tol=None):
     return worst
 
 
-# The tests' prompts are about 10 tokens: their evicting servers size the query ring for 8 (the
-# default assumes 256-token prompts and would cap the small test pools at a few running
-# requests, below what admission admits there).
-TEST_PROMPT_LEN = ["--kv-evict-expected-prompt-len", "8"]
 # The shared servers serve dozens of test modules' per-request settings within a minute; the
 # bound on distinct settings (default 16, tests/test_fail_safe.py) is raised for them.
 TEST_MAX_SETTINGS = ["--kv-evict-max-settings", "1024"]
@@ -85,9 +81,8 @@ TEST_MAX_SETTINGS = ["--kv-evict-max-settings", "1024"]
 
 def _test_args(args) -> list[str]:
     args = list(args)
-    for flag in (TEST_PROMPT_LEN, TEST_MAX_SETTINGS):
-        if "--kv-evict-policy" in args and flag[0] not in args:
-            args += flag
+    if "--kv-evict-policy" in args and TEST_MAX_SETTINGS[0] not in args:
+        args += TEST_MAX_SETTINGS
     return args
 
 

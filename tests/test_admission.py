@@ -7,8 +7,10 @@ off (custom_params.kv_evict = false) keep SGLang's stock charge, on the same ser
 import re
 
 import pytest
+import torch
 
 from servers import RADIX_OFF, RADIX_OFF_POOL, Server
+from vase_sglang.pool_ring import slots_per_request
 
 POOL, BUDGET, WINDOW, N, MAX_NEW = 1024, 64, 16, 16, 240
 # Stock admits POOL // (prompt + MAX_NEW) = 4 requests at once: 6 queued show the cap.
@@ -17,14 +19,23 @@ VASE = ["--kv-evict-policy", "vase-attnv", "--kv-evict-budget", str(BUDGET),
         "--kv-evict-window", str(WINDOW)]
 
 
+# This module's server holds the query rings in the pool (--kv-evict-ring pool): each request
+# is charged its ring's slots too (the tiny model's 4 query heads over 2 KV heads, fp32: 2 cells
+# a window position). The shared radix-off server holds them beside its pool (auto).
+RING = slots_per_request(WINDOW, 4, 32, torch.float32, 2, 4)
+# ...on a pool a little smaller, so that the requests it admits with their rings are still
+# short of slots at their cycles' top, as below.
+RING_POOL = POOL - 40
+
+
 def _peak_running(log: str) -> int:
     return max(int(m) for m in re.findall(r"Decode batch.*?#running-req: (\d+)", log))
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_fp32):
-    flags = ["--dtype", "float32", "--decode-log-interval", "1", *VASE]
-    with Server(tiny_model_fp32, flags, max_total_tokens=POOL) as server:
+    flags = ["--dtype", "float32", "--decode-log-interval", "1", *VASE, "--kv-evict-ring", "pool"]
+    with Server(tiny_model_fp32, flags, max_total_tokens=RING_POOL) as server:
         yield server
 
 
@@ -41,10 +52,10 @@ def _run(server, n=N, kv_evict=None):
     return out, server.output()[before:]
 
 
-def _check_vase(out, log, radix=True):
+def _check_vase(out, log, radix=True, ring=0, pool=POOL):
     assert all(len(o["output_ids"]) == MAX_NEW for o in out)
     prompt = out[0]["meta_info"]["prompt_tokens"]
-    admitted = min(N, POOL // (prompt + BUDGET + WINDOW // 2 + 2))
+    admitted = min(N, pool // (prompt + BUDGET + WINDOW // 2 + 2 + ring))
     peak = _peak_running(log)
     assert peak >= admitted, (peak, admitted)
     assert "Retract requests" not in log
@@ -53,7 +64,7 @@ def _check_vase(out, log, radix=True):
         # do not fit, so the pool forces early evictions. Regular rounds drop exactly
         # `window` tokens; an early one drops fewer. (Without the radix cache the prompt is
         # private and evicted too, so the cycle's top is budget + window: no shortage.)
-        assert admitted * (prompt + BUDGET + WINDOW) > POOL
+        assert admitted * (prompt + BUDGET + WINDOW + ring) > pool
         evicted = [o["meta_info"]["kv_evicted_tokens"] for o in out]
         assert any(e % WINDOW for e in evicted), evicted
     return peak
@@ -66,8 +77,9 @@ def test_eviction_admits_more_requests_on_the_same_pool(server):
     assert all(o["meta_info"]["kv_evicted_tokens"] == 0 for o in stock_out)
     stock_peak = _peak_running(stock_log)
     # Stock reserves ~prompt + 240 per request: at most 4 fit in 1024 slots.
-    assert stock_peak <= POOL // MAX_NEW < N_STOCK
-    vase_peak = _check_vase(vase_out, vase_log)
+    assert stock_peak <= RING_POOL // MAX_NEW < N_STOCK
+    vase_peak = _check_vase(vase_out, vase_log, ring=RING, pool=RING_POOL)
+    assert RING == WINDOW and "query ring: 16 pool slots per request" in server.output()
     assert vase_peak >= 2.5 * stock_peak, (stock_peak, vase_peak)
 
 

@@ -443,3 +443,82 @@ def test_retention_gate_hook_writes_the_gates_log_beta_and_position(monkeypatch)
     assert not log_beta[layer, untouched].any() and not position[layer, untouched].any()
     others = [i for i in range(LAYERS) if i != layer]
     assert not log_beta[others].any() and not position[others].any()
+
+
+# ------------------------------------------ the query ring held in the pool's slots
+
+
+def _pool_ring(k, v, table):
+    from vase_sglang.pool_ring import PoolRing
+
+    return PoolRing([k], [v], table, WINDOW, HEADS, DIM, k.dtype)
+
+
+def _pool_buffers(slots=64):
+    from vase_sglang.pool_ring import slots_per_request
+
+    per_request = slots_per_request(WINDOW, HEADS, DIM, torch.float32, 1, 4)
+    return (torch.zeros(slots, 1, DIM), torch.zeros(slots, 1, DIM),
+            torch.zeros(ROWS, per_request, dtype=torch.int64))
+
+
+def test_pool_ring_capture_is_capturable():
+    """Issue 51: the ring in the pool's slots is written by the same recorded capture ops
+    (decode and extend) and read by the step's gather, all static-shaped and sync-free."""
+    k, v, table = _pool_buffers()
+    bucket = 8
+
+    def decode(k, v, table, q, rows, positions):
+        capture.capture_decode_queries(_pool_ring(k, v, table)[0], q, rows, positions, WINDOW)
+
+    def extend(k, v, table, q, token_rows, positions):
+        capture.capture_extend_queries(_pool_ring(k, v, table)[0], q, token_rows, positions,
+                                       WINDOW)
+
+    def gather(k, v, table, rows, entries, out):
+        from vase_sglang.pool_ring import gather_queries
+
+        gather_queries(_pool_ring(k, v, table)[0], (rows, entries), out)
+
+    positions = torch.zeros(bucket, dtype=torch.int64)
+    rows = torch.zeros(bucket, dtype=torch.int64)
+    assert capture_hazards(decode, k, v, table, torch.randn(bucket, HEADS, DIM), rows,
+                           positions) == []
+    assert capture_hazards(extend, k, v, table, torch.randn(bucket + 5, HEADS, DIM),
+                           torch.zeros(bucket + 9, dtype=torch.int64),
+                           torch.zeros(bucket + 5, dtype=torch.int64)) == []
+    assert capture_hazards(gather, k, v, table, torch.zeros(3, 1, dtype=torch.int64),
+                           torch.zeros(3, WINDOW, dtype=torch.int64),
+                           torch.zeros(3, WINDOW, HEADS, DIM)) == []
+
+
+def test_pool_ring_holds_what_a_ring_tensor_holds():
+    """Written by the decode and extend captures, then gathered as the step does, the ring in
+    pool slots gives exactly the ring tensor's queries; rows without slots (row 0, requests
+    whose policy reads no queries) write only the padding slot, and no other slot changes."""
+    gen = torch.Generator().manual_seed(5)
+    slots = 1 + (ROWS - 1) * _pool_buffers()[2].shape[1] + 7
+    k, v, table = _pool_buffers(slots)
+    k.normal_(generator=gen), v.normal_(generator=gen)
+    owned = torch.randperm(slots - 1, generator=gen)[: (ROWS - 2) * table.shape[1]] + 1
+    table[2:] = owned.view(ROWS - 2, table.shape[1])  # row 1: a request without a ring
+    before_k, before_v = k.clone(), v.clone()
+    ring = _pool_ring(k, v, table)[0]
+    plain = torch.zeros(ROWS, WINDOW, HEADS, DIM)
+    for step in range(3 * WINDOW):
+        rows = torch.randperm(ROWS, generator=gen)  # distinct rows, as in a batch
+        q = torch.randn(ROWS, HEADS, DIM, generator=gen)
+        positions = torch.full((ROWS,), step)
+        capture.capture_decode_queries(ring, q, rows, positions, WINDOW)
+        capture.capture_decode_queries(plain, q, rows, positions, WINDOW)
+    index = (torch.arange(2, ROWS)[:, None], torch.arange(WINDOW).roll(3).expand(ROWS - 2, -1))
+    out = torch.empty(ROWS - 2, WINDOW, HEADS, DIM)
+    from vase_sglang.pool_ring import gather_queries
+
+    gather_queries(ring, index, out)
+    assert torch.equal(out, plain[index])
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[owned] = False
+    untouched[0] = False
+    assert torch.equal(k[untouched], before_k[untouched])
+    assert torch.equal(v[untouched], before_v[untouched])

@@ -97,60 +97,40 @@ def test_offline_engine_evicts_with_environment_settings(tiny_model, tmp_path):
         assert length == 120 and evicted == 80
 
 
-def test_query_ring_rows_are_what_the_pool_beside_them_can_run():
-    from vase_sglang_patches.footprint import charge_len
-    from vase_sglang import EvictionConfig
+def test_a_query_ring_costs_its_request_a_row_of_its_own_bytes_in_pool_slots():
+    """Issue 51: the ring is held in the pool's slots by the requests that read queries, so a
+    request costs P + T + R + its ring, whatever the prompts: nothing is reserved for rows the
+    pool cannot run, and nothing caps the running requests. A ring of one request holds
+    layers x W x H_q x D queries in the model's dtype, in slots of layers x 2 x H_kv x D."""
+    import torch
+
     from vase_sglang.plan import ring_bytes
-    from vase_sglang_patches.memory import DEFAULT_MAX_ROWS, ring_rows
+    from vase_sglang.pool_ring import slots_per_request
 
-    # The issue's case: Qwen2.5-0.5B shapes, window 64, bf16 (~2.75 MB per ring row) and
-    # budget 128; 2 GiB to share between the ring and a pool of 12 KiB per token.
-    cfg = EvictionConfig(policy="snapkv", budget=128, window=64)
-    per_row = ring_bytes(24, 1, 64, 14, 64, 2)
-    per_token = 24 * 2 * 2 * 64 * 2
-    available = 2 * 2**30
-    rows, cap = ring_rows(available, per_row, None, charge_len(cfg), per_token)
-    assert cap == rows - 1
-    # The ring's rows and the pool left beside them serve the same number of requests:
-    # the pool holds `cap` requests at admission's charge, and not one more row fits.
-    pool = available - rows * per_row
-    assert cap <= pool // (charge_len(cfg) * per_token) < cap + 2
-    assert (rows + 1) * per_row + (cap + 1) * charge_len(cfg) * per_token > available
-    # The issue's server: a pool capped at 2,048 tokens runs 12 requests at budget 128, and
-    # the ring gets 13 rows (~36 MB), not the old fixed 15 % share (2 GiB / 13 GiB free).
-    rows, cap = ring_rows(13 * 2**30, per_row, None, charge_len(cfg), per_token, 2048)
-    assert (rows, cap) == (13, 12)
-    # An explicit --max-running-requests is served as asked, uncapped.
-    assert ring_rows(available, per_row, 2048, charge_len(cfg), per_token) == (2049, None)
-    # A small ring on a big pool: SGLang's own default table size, no cap.
-    assert ring_rows(2**40, 1024, None, 1, 1) == (DEFAULT_MAX_ROWS + 1, None)
+    def slots(window, q_heads, kv_heads, head_dim, q_dtype, kv_itemsize, page=1):
+        return slots_per_request(window, q_heads, head_dim, q_dtype, kv_heads, kv_itemsize, page)
 
-
-def test_query_ring_rows_count_the_prompts_the_pool_also_holds():
-    """Issue 22's case: Qwen3-4B shapes (36 layers, 32 query / 8 KV heads, head dim 128, bf16),
-    T = 1024, window 64, 4k-token prompts, 60 GiB to share. Sized for the private cycle alone
-    the ring reserved rows for 5x more requests than the pool can hold with their prompts:
-    gigabytes of ring that never run. With the prompt length assumed, no row is idle."""
+    # Qwen3-4B (36 layers, 32 query / 8 KV heads, head dim 128, bf16), W = 64: the issue's
+    # "18 MiB = the K/V of 128 tokens", exactly.
+    qwen3 = slots(64, 32, 8, 128, torch.bfloat16, 2)
+    assert qwen3 == 128
+    assert ring_bytes(36, 1, 64, 32, 128, 2) == qwen3 * 36 * 2 * 8 * 128 * 2 == 18 * 2**20
+    # fp8 KV: the ring keeps bf16, twice the slots; pages round up.
+    assert slots(64, 32, 8, 128, torch.bfloat16, 1) == 256
+    assert slots(64, 32, 8, 128, torch.bfloat16, 2, page=48) == 144
+    # Qwen2.5-0.5B (14 query / 2 KV heads: G = 7), W = 32: 112 slots, as the issue counts.
+    assert slots(32, 14, 2, 64, torch.bfloat16, 2) == 112
+    # At 256-token prompts the pool left for K/V is what the old ring, sized for 256-token
+    # prompts, left (within a row), and at short prompts the requests the pool runs are
+    # memory / (P + T + R + ring), not capped at the 256-token guess.
     from vase_sglang import EvictionConfig
     from vase_sglang_patches.footprint import charge_len
-    from vase_sglang.plan import ring_bytes
-    from vase_sglang_patches.memory import ring_rows, ring_tokens_per_request
-    from vase_sglang_patches.settings import DEFAULT_PROMPT_LEN, prompt_len_from_values
 
     cfg = EvictionConfig(policy="vase-attnv", budget=1024, window=64)
-    per_row = ring_bytes(36, 1, 64, 32, 128, 2)
-    per_token = 36 * 2 * 8 * 128 * 2
-    available = 60 * 2**30
-    prompt = 4096
-
-    def idle_ring_bytes(tokens_per_request):
-        rows, cap = ring_rows(available, per_row, None, tokens_per_request, per_token)
-        runnable = (available - rows * per_row) // ((prompt + charge_len(cfg)) * per_token)
-        return max(0, cap - runnable) * per_row
-
-    assert ring_tokens_per_request(cfg, 1, prompt) == prompt + charge_len(cfg)
-    assert idle_ring_bytes(ring_tokens_per_request(cfg, 1, prompt)) <= per_row
-    assert idle_ring_bytes(ring_tokens_per_request(cfg, 1, 0)) > 4 * 2**30  # the old sizing
-    # The assumption is a flag with a default; 0 keeps the old sizing.
-    assert prompt_len_from_values({}) == DEFAULT_PROMPT_LEN > 0
-    assert prompt_len_from_values({"expected-prompt-len": "0"}) == 0
+    slots_total = 60 * 2**30 // (36 * 2 * 8 * 128 * 2)
+    old_rows = slots_total // (256 + charge_len(cfg) + qwen3)  # the old sizing, same memory
+    kv_left_old = slots_total - old_rows * qwen3
+    running = slots_total // (256 + charge_len(cfg) + qwen3)
+    kv_used_new = running * (256 + charge_len(cfg))
+    assert abs(kv_used_new - kv_left_old) <= (256 + charge_len(cfg) + qwen3)
+    assert slots_total // (17 + charge_len(cfg) + qwen3) > 1.15 * old_rows

@@ -14,9 +14,13 @@ import pytest
 import torch
 from servers import SNAPKV, Server, max_logprob_diff, reference, serve_request
 from vase_sglang import POLICY_NAMES
+from vase_sglang.pool_ring import slots_per_request
 
 BUDGET, WINDOW = 32, 8
 TRIGGER = BUDGET + WINDOW
+# A request's query ring, held in pool slots (vase_sglang/pool_ring.py): the tiny model's 4
+# query heads over 2 KV heads, fp32 as its cache, take 2 cells a window position.
+RING = slots_per_request(WINDOW, 4, 32, torch.float32, 2, 4)
 torch.set_num_threads(1)
 
 
@@ -104,7 +108,8 @@ def test_footprint_stays_within_prompt_plus_budget_plus_window(snapkv_server, to
     usage = _token_usage(snapkv_server.output())[before:]
     assert len(tokens) == 300, "generation must reach max_new_tokens well past the budget"
     assert meta["kv_evicted_tokens"] > 200
-    assert usage and max(usage) <= len(prompt) + TRIGGER, usage
+    assert RING == WINDOW
+    assert usage and max(usage) <= len(prompt) + TRIGGER + RING, usage
     snapkv_server.wait_idle_checked()
 
 
@@ -310,7 +315,8 @@ def test_retracted_compacted_request_returns_to_its_capped_footprint(retracting_
     assert [len(o["output_ids"]) for o in out] == [n] * 3
     assert all(o["meta_info"]["kv_evicted_tokens"] > 0 for o in out)
     usage = _decode_usage_outside_reprefills(log)
-    bound = sum(len(p) + TRIGGER + 2 for p in prompts)  # +2: the next token, one in flight
+    # +2: the next token, one in flight
+    bound = sum(len(p) + TRIGGER + 2 + RING for p in prompts)
     assert len(usage) > n // 2 and max(usage) <= bound, (bound, usage)
     alone = [serve_request(retracting_server, p, n)[0] for p in prompts[1:]]
     assert [o["output_ids"] for o in out[1:]] == alone

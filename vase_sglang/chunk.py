@@ -23,6 +23,7 @@ import torch
 
 from . import ops
 from .config import EvictionConfig
+from .pool_ring import gather_queries
 from .policies import POLICIES, Retention, select_candidates, select_tokens
 from .stream_select import Candidates
 
@@ -162,7 +163,7 @@ def evict_chunk(cfg: EvictionConfig, k_buffers, v_buffers, ring, workspace: Work
     if policy.needs_queries:
         gathered = views[-1]
         for j, layer in enumerate(layers):
-            torch.ops.aten.index.Tensor_out(ring[layer], list(ring_index), out=gathered[:, j])
+            gather_queries(ring[layer], ring_index, gathered[:, j])
         queries = gathered.permute(0, 1, 3, 2, 4)  # [b, l, H_q, W, D]
     retention = None
     if policy.needs_retention:

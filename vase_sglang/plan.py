@@ -33,6 +33,7 @@ from . import ops
 from .chunk import KVShapes, Workspace, aligned_size, tensor_bytes, evict_chunk, gather_layout
 from .config import VALUE_SLOT_POLICIES, EvictionConfig
 from .policies import POLICIES
+from .pool_ring import PoolRing, slots_per_request
 
 DEFAULT_UNITS = 64  # (request, layer) units per chunk the default workspace is sized for
 
@@ -114,9 +115,13 @@ def trace_chunk(cfg: EvictionConfig, shapes: KVShapes, n: int, b: int, l: int, s
                              device=meta) for _ in range(l)]
     v_buffers = [torch.empty_like(k) for k in k_buffers]
     ring = None
-    if POLICIES[cfg.policy].needs_queries:
-        ring = torch.empty(l, b + 1, shapes.ring_window, shapes.q_heads, shapes.head_dim,
-                           dtype=shapes.q_dtype, device=meta)
+    if POLICIES[cfg.policy].needs_queries:  # as served: held in the pool's slots
+        per_request = slots_per_request(shapes.ring_window, shapes.q_heads, shapes.head_dim,
+                                        shapes.q_dtype, shapes.kv_heads,
+                                        shapes.kv_dtype.itemsize)
+        table = torch.empty(b + 1, per_request, dtype=torch.int64, device=meta)
+        ring = PoolRing(k_buffers, v_buffers, table, shapes.ring_window, shapes.q_heads,
+                        shapes.head_dim, shapes.q_dtype)
     layout = gather_layout(cfg, shapes, b, l, n, chunk)
     buffer_bytes = sum(aligned_size(tensor_bytes(s, t)) for s, t in layout)
     workspace = Workspace(torch.empty(buffer_bytes, dtype=torch.uint8, device=meta), 0)
