@@ -5,14 +5,17 @@ scoring / compaction ops (torch references and Triton kernels side by side in `o
 The SGLang hooks live in the separate package `vase_sglang_patches` (folder `patches/`).
 """
 
-from .config import POLICY_NAMES, EvictionConfig
+from .config import EvictionConfig
 from .ops import kernel_backend
 from .policies import (
     POLICIES,
+    POLICY_NAMES,
     AttentionParams,
     Draws,
     Policy,
     Retention,
+    SelectParams,
+    policy_names,
     register_policy,
     select_tokens,
 )
@@ -27,7 +30,9 @@ __all__ = [
     "Retention",
     "Draws",
     "AttentionParams",
+    "SelectParams",
     "select_tokens",
+    "policy_names",
     "register_policy",
     "kernel_backend",
     "__version__",

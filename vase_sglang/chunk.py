@@ -24,7 +24,7 @@ import torch
 from . import ops
 from .config import EvictionConfig
 from .pool_ring import gather_queries
-from .policies import POLICIES, Retention, select_candidates, select_tokens
+from .policies import POLICIES, Retention, SelectParams, select_candidates, select_tokens
 from .stream_select import Candidates
 
 logger = logging.getLogger("vase_sglang.eviction")
@@ -135,7 +135,7 @@ def evict_chunk(cfg: EvictionConfig, k_buffers, v_buffers, ring, workspace: Work
     candidate_chunk: the streamed path: K/V are gathered `candidate_chunk` candidates at a
     time (PoolCandidates) and scored by Policy.select_streamed, for units whose n candidates
     do not fit in the workspace at once; None: all n at once.
-    select_kwargs go to select_tokens as they are."""
+    select_kwargs: further SelectParams fields (attention, head_offset, seed), as they are."""
     policy = POLICIES[cfg.policy]
     b, n = slots.shape
     l = num_layers
@@ -173,13 +173,15 @@ def evict_chunk(cfg: EvictionConfig, k_buffers, v_buffers, ring, workspace: Work
             torch.ops.aten.index.Tensor_out(side[1][layer], [slots], out=position[:, j])
         age = now[:, None, None, None] - position[..., 0].transpose(2, 3)  # [b, l, H, n]
         retention = Retention(log_beta[..., 0].transpose(2, 3), age)
-    ids = dict(request=request[:, None], layer=layer_ids[None, first_layer: first_layer + l],
-               round=rounds[:, None], sinks=sinks, check=False, retention=retention)
+    params = SelectParams(request=request[:, None],
+                          layer=layer_ids[None, first_layer: first_layer + l],
+                          round=rounds[:, None], sinks=sinks, check=False, retention=retention,
+                          **select_kwargs)
     if candidate_chunk is None:
-        keep = select_tokens(cfg, keys, values, queries, **ids, **select_kwargs)
+        keep = select_tokens(cfg, keys, values, queries, params=params)
     else:
         candidates = PoolCandidates(k_buffers, v_buffers, layers, slots, regions, candidate_chunk)
-        keep = select_candidates(cfg, candidates, queries, **ids, **select_kwargs)
+        keep = select_candidates(cfg, candidates, queries, params=params)
     try:
         ops.compact_kv_(k_buffers, v_buffers, slots, keep, ascending=policy.ascending,
                         first_layer=first_layer)

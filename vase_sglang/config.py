@@ -7,9 +7,10 @@ Vocabulary (kept identical in the SGLang flags `--kv-evict-*`):
                    holds T + R tokens, so the footprint cycles between T and T + R. With
                    pages of ps tokens it cycles between ceil(T / ps) and ceil((T + R) / ps)
                    pages; R >= ps (check_page_size), and T, R multiples of ps move no K/V.
-  value_slots   N_v  (vase-attnv, trimkv) slots always given to the largest Range(v)=max(v)-min(v);
-                   default T/4 for vase-attnv as in every official VaSE script, 0 for trimkv
-                   (set, it makes the VaSE + learned-retention hybrid).
+  value_slots   N_v  (policies that reserve value slots: vase-attnv, trimkv) slots always given
+                   to the largest Range(v)=max(v)-min(v); None = the policy's default
+                   (Policy.default_value_slots): T/4 for vase-attnv as in every official VaSE
+                   script, 0 for trimkv (set, it makes the VaSE + learned-retention hybrid).
   sinks         first tokens of the sequence that are always kept.
   seed          base of every random draw; draws are keyed by (seed, request, layer, round).
   workspace_mb  memory an engine reserves for one eviction step (gathered K/V, score
@@ -28,20 +29,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-# Policy names are the user-facing values of --kv-evict-policy. The registry (policies.POLICIES)
-# also holds "trimkv", which needs per-token retention from a gates file: served only by servers
-# started with --kv-evict-retention-gates (docs/retention.md), so it is not one of these names.
-POLICY_NAMES = (
-    "full",
-    "vase-attnv",
-    "vase-dkv",
-    "snapkv",
-    "rkv",
-    "curdkv",
-    "random",
-    "streaming",
-    "evict-large-values",
-)
+# What a policy needs (queries, retention gates, value slots and their default) is stated on its
+# class in the registry (policies.POLICIES, policies.register_policy); nothing here names one.
+# POLICY_NAMES (the user-facing values of --kv-evict-policy without gates) is derived from the
+# registry in policies.py and read here through the module __getattr__ at the end.
 MODES = ("fixed", "elastic")
 # Explicit ranges of every integer setting, [low, high] inclusive, checked wherever a value enters
 # (flags, variables, configure(), per-request custom_params): a value outside them is refused
@@ -76,8 +67,26 @@ def check_int(name: str, value, low: int | None = None, high: int | None = None)
     if hi is not None and value > hi:
         raise ValueError(f"{name}: must be <= {hi}, got {value}")
     return value
-# Policies that may reserve value slots; trimkv's default is 0 (plain TRIM-KV).
-VALUE_SLOT_POLICIES = ("vase-attnv", "trimkv")
+
+
+def _policy_class(name: str):
+    """The registered Policy class of `name`; None for "full" (and names not registered)."""
+    from .policies import POLICIES  # registry: built-ins plus register_policy()
+
+    return POLICIES.get(name)
+
+
+def _value_slot_owners() -> str:
+    """'only the P policy reserves value slots (and Q<note>) ...' from the registry: the
+    policies whose class sets reserves_value_slots, in registration order."""
+    from .policies import POLICIES
+
+    owners = [(n, p) for n, p in POLICIES.items() if p.reserves_value_slots]
+    if not owners:
+        return "no registered policy reserves value slots"
+    (first, _), *others = owners
+    return f"only the {first} policy reserves value slots" + "".join(
+        f" (and {name}{policy.value_slots_note})" for name, policy in others)
 
 
 @dataclass(frozen=True)
@@ -129,10 +138,10 @@ class EvictionConfig:
             check_int("workspace_mb", self.workspace_mb)
         if self.value_slots is not None:
             check_int("value_slots", self.value_slots)
-            if self.value_slots and self.policy not in VALUE_SLOT_POLICIES:
+            policy = _policy_class(self.policy)
+            if self.value_slots and not (policy and policy.reserves_value_slots):
                 raise ValueError(
-                    f"value_slots: only the vase-attnv policy reserves value slots (and trimkv, "
-                    f"as the VaSE + retention hybrid) (policy is {self.policy!r}); leave it "
+                    f"value_slots: {_value_slot_owners()} (policy is {self.policy!r}); leave it "
                     f"unset or 0"
                 )
         if self.policy != "full" and self.sinks + self.n_value_slots > self.keep:
@@ -148,12 +157,13 @@ class EvictionConfig:
 
     @property
     def n_value_slots(self) -> int:
-        if self.policy not in VALUE_SLOT_POLICIES:
+        """N_v in effect: value_slots, or the policy's default where unset (vase-attnv: T/4,
+        shrunk only if T/4 cannot fit; trimkv: 0); 0 for policies without value slots."""
+        policy = _policy_class(self.policy)
+        if policy is None or not policy.reserves_value_slots:
             return 0
-        if self.policy == "trimkv":
-            return self.value_slots or 0
-        if self.value_slots is None:  # official default T/4, shrunk only if T/4 cannot fit
-            return max(0, min(self.budget // 4, self.keep - self.sinks))
+        if self.value_slots is None:
+            return policy.default_value_slots(self)
         return self.value_slots
 
     @property
@@ -191,3 +201,13 @@ def check_page_size(cfg: EvictionConfig, page_size: int) -> None:
             f"least one page of {page_size} tokens, got {cfg.window}; multiples of the page "
             f"size for both budget and window move no K/V at eviction"
         )
+
+
+def __getattr__(name: str):
+    # POLICY_NAMES lives beside the registry it is derived from (policies.py imports this
+    # module, so it cannot be computed here at import time).
+    if name == "POLICY_NAMES":
+        from .policies import POLICY_NAMES
+
+        return POLICY_NAMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import ops
 from .chunk import KVShapes, Workspace, aligned_size, tensor_bytes, evict_chunk, gather_layout
-from .config import VALUE_SLOT_POLICIES, EvictionConfig
+from .config import EvictionConfig
 from .policies import POLICIES
 from .pool_ring import PoolRing, slots_per_request
 
@@ -172,7 +172,7 @@ def cost_key(cfg: EvictionConfig, n: int, chunk: int | None = None):
     if chunk is not None and chunk >= bucket:
         chunk = None  # one chunk holds every candidate: the plain stage
     value_slots = None
-    if cfg.policy in VALUE_SLOT_POLICIES:
+    if POLICIES[cfg.policy].reserves_value_slots:
         value_slots = cfg.n_value_slots
         if budget != cfg.budget and cfg.value_slots is None:  # the default, at that budget
             value_slots = cfg.replace(budget=budget, sinks=0).n_value_slots

@@ -1,13 +1,20 @@
 """The eviction decision: which older tokens each (request, layer, KV head) keeps.
 
-Every policy is a small dataclass with `score()` (higher = more worth keeping) and, through the
-base class, `select()`. Selection is the same for all of them:
-  1. forced tokens: the sinks (first tokens of the sequence), plus for vase-attnv (and trimkv
-     when set) the `value_slots` candidates with the largest Range(v);
+Every policy is a small frozen dataclass (a `Policy` subclass) with `score()` (higher = keep)
+and, through the base class, `select()`. Selection is the same for all of them:
+  1. forced tokens: the sinks (first tokens of the sequence), plus for policies that reserve
+     value slots (vase-attnv; trimkv when set) the `value_slots` candidates with the largest
+     Range(v);
   2. the remaining slots go to the best scores (top-k), or for sampling policies are drawn
      without replacement with probability proportional to the score. Gumbel-top-k
      (top-k of log w + Gumbel noise) has exactly that distribution and runs batched.
 Indices come back ascending per head, so "older slot = older token" stays true across rounds.
+
+What a policy needs (window queries, retention gates, value slots and their default count) is
+stated on its class (`Policy.needs_queries`, `needs_retention`, `reserves_value_slots`,
+`default_value_slots`, ...); config validation, the server, its memory plan, warm-up and the
+benchmarks read those attributes and the registry `POLICIES`, never a policy's name. Adding a
+policy is one class and one `register_policy` call: docs/add_policy.md.
 
 Where the n candidates of a (request, layer) are too many to score at once (a long private
 cache), `score_streamed()` computes the same score from candidate chunks, keeping only
@@ -20,6 +27,7 @@ Nothing here knows about SGLang: inputs are plain tensors with any leading batch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -143,6 +151,37 @@ class Retention:
 
 @dataclass(frozen=True)
 class Policy:
+    """An eviction policy: which `cfg.keep` of n candidates each (batch element, KV head) keeps.
+
+    A subclass overrides `score()` (and, to be servable on long caches, `score_streamed()`);
+    `select()` ranks by the score (or samples from it), forces the sinks and value slots and
+    takes the top `cfg.keep`. An instance is built for one selection by `select_tokens`.
+    Register a subclass under a `--kv-evict-policy` name with `register_policy`
+    (docs/add_policy.md has a worked example).
+
+    What the policy needs is stated here, as class attributes, and read by everything else
+    (config validation, the server's hooks and memory plan, warm-up, benchmarks):
+        needs_queries: score() reads the window queries: the server records the last
+            `window` queries of every request (a query ring) and passes them.
+        needs_retention: score() reads a `Retention` (per-token log β and age from a gates
+            file; trimkv); served only by servers started with --kv-evict-retention-gates.
+        reads_kv: False when the score ignores K/V contents (engines then skip the gather
+            and pass shape-only stand-ins for keys and values).
+        samples: the kept tokens are drawn without replacement with probability ∝ score
+            (Gumbel-top-k) instead of taken top-k; score() must then be >= 0.
+        ascending: select() returns ascending indices per head (in-place compaction); a
+            policy overriding select() with unsorted indices sets False.
+        reserves_value_slots: cfg.value_slots may force the largest Range(v) candidates
+            (forced()); EvictionConfig refuses value_slots > 0 for other policies.
+        value_slots_note: how error messages name its value slots after the first owner's.
+    and `default_value_slots(cfg)`: how many value slots an unset cfg.value_slots gives.
+
+    Args:
+        cfg: the eviction settings (budget, window, sinks, value slots, scoring knobs).
+        attention: the model's attention logit scaling and soft-cap (window attention).
+        retention: per-candidate log β and age, for needs_retention policies; else None.
+    """
+
     cfg: EvictionConfig
     attention: AttentionParams = AttentionParams()
     retention: Retention | None = None  # per-candidate inputs of needs_retention policies
@@ -151,14 +190,53 @@ class Policy:
     reads_kv: ClassVar[bool] = True  # False: the score ignores K/V contents (engines skip the read)
     samples: ClassVar[bool] = False  # weighted sampling without replacement instead of top-k
     ascending: ClassVar[bool] = True  # select() returns ascending indices (in-place compaction)
+    reserves_value_slots: ClassVar[bool] = False  # cfg.value_slots may force large Range(v)
+    value_slots_note: ClassVar[str] = ""  # e.g. ", as the VaSE + retention hybrid"
+
+    @classmethod
+    def default_value_slots(cls, cfg: EvictionConfig) -> int:
+        """N_v of a config whose value_slots is unset (None), for reserves_value_slots
+        policies: 0 here (value slots only when asked for).
+
+        Args:
+            cfg: the config being resolved (its budget, window, sinks).
+
+        Returns:
+            The number of value slots, 0 <= N_v <= cfg.keep - cfg.sinks.
+        """
+        return 0
 
     def score(self, keys, values, queries, draws: Draws) -> torch.Tensor:
+        """How much each candidate is worth keeping: higher = keep.
+
+        Args:
+            keys: [*batch, H_kv, n, D] the candidates' keys, post-RoPE, in the cache's dtype
+                (bf16, fp16, fp32 or an fp8 view); shape-only stand-ins where `reads_kv` is
+                False.
+            values: [*batch, H_kv, n, D] the candidates' values (likewise).
+            queries: [*batch, H_q, W, D] the last W queries, H_q a multiple of H_kv (query
+                head h belongs to KV head h // (H_q / H_kv)), or None unless `needs_queries`.
+            draws: the selection's random streams (`Draws.gumbel`, `Draws.projection`),
+                keyed by (seed, request, layer, global KV head, round).
+
+        Returns:
+            [*batch, H_kv, n] scores (any float dtype; ranked in float32), higher = keep;
+            weights >= 0 for `samples` policies. NaN is refused by select (check=True).
+        """
         raise NotImplementedError
 
     def forced(self, keys, values, sinks: int) -> torch.Tensor:
         """Bool [..., H, n]: candidates kept whatever their score: the sinks, then the
         value_slots largest Range(v) among the others (only policies that allow value slots
-        have cfg.n_value_slots > 0)."""
+        have cfg.n_value_slots > 0).
+
+        Args:
+            keys, values: [..., H, n, D] the candidates (values read only for value slots).
+            sinks: how many of the first candidates are sinks.
+
+        Returns:
+            [..., H, n] bool, True = kept whatever the score.
+        """
         return self._forced_mask(keys.shape[:-1], keys.device, sinks,
                                  lambda: ops.value_range(values))
 
@@ -173,6 +251,19 @@ class Policy:
         return mask
 
     def select(self, keys, values, queries, draws: Draws, sinks: int, check: bool = True):
+        """The candidates to keep: forced tokens, then the best ranked (top-k of the score, or
+        Gumbel-top-k of log score for `samples` policies).
+
+        Args:
+            keys, values, queries, draws: as for score().
+            sinks: how many of the first candidates are kept as sinks (<= cfg.sinks).
+            check: raise ValueError on NaN scores (a device sync).
+
+        Returns:
+            LongTensor [*batch, H_kv, cfg.keep] of distinct candidate indices, ascending per
+            head (a subclass that overrides select may return them unsorted if it sets
+            `ascending = False`).
+        """
         score = self._ranking(self.score(keys, values, queries, draws), draws, check)
         return self._top(score, self.forced(keys, values, sinks))
 
@@ -199,8 +290,22 @@ class Policy:
     # candidates do not fit in memory at once. Only O(n H) per-candidate arrays are held.
 
     def score_streamed(self, candidates, queries, draws: Draws) -> torch.Tensor:
-        """score() from `candidates` (a stream_select.Candidates) read chunk by chunk: the
-        same values up to float summation order. Policies without it cannot be streamed."""
+        """score() from `candidates` read chunk by chunk: the same values up to float
+        summation order, holding only [*batch, H_kv, n] arrays, never all n candidates'
+        K/V or an [H_q, W, n] temporary. Policies without it cannot be streamed: a server
+        skips (does not evict) their requests in a step too big for its workspace at once.
+
+        Args:
+            candidates: a stream_select.Candidates of shape (*batch, H_kv, n) and head_dim D;
+                `candidates.chunks(keys=True, values=True)` yields (start, stop, keys, values)
+                with keys / values [*batch, H_kv, stop - start, D], valid until the next
+                chunk (each call is one more pass over the candidates).
+            queries: [*batch, H_q, W, D] or None, as for score().
+            draws: as for score().
+
+        Returns:
+            [*batch, H_kv, n] scores, equal to score()'s up to float summation order.
+        """
         raise NotImplementedError
 
     @classmethod
@@ -320,6 +425,13 @@ class VaseAttnVPolicy(SnapKVPolicy):
     sampled ∝ attention."""
 
     samples: ClassVar[bool] = True
+    reserves_value_slots: ClassVar[bool] = True
+
+    @classmethod
+    def default_value_slots(cls, cfg: EvictionConfig) -> int:
+        """T/4, as every official VaSE script, shrunk only where T/4 and the sinks cannot
+        fit in budget - window."""
+        return max(0, min(cfg.budget // 4, cfg.keep - cfg.sinks))
 
 
 @dataclass(frozen=True)
@@ -363,6 +475,8 @@ class TrimKVPolicy(Policy):
     are forced first: the VaSE + learned-retention hybrid."""
 
     needs_retention: ClassVar[bool] = True
+    reserves_value_slots: ClassVar[bool] = True  # default 0: plain TRIM-KV
+    value_slots_note: ClassVar[str] = ", as the VaSE + retention hybrid"
 
     def score(self, keys, values, queries, draws):
         return self._retention_score(keys.shape[:-1])
@@ -391,14 +505,57 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
+def policy_names(*, retention: bool = True) -> tuple[str, ...]:
+    """The registered policy names, in registration order (the built-ins, then those added by
+    register_policy, e.g. in a VASE_KV_EVICT_PLUGINS module imported by now).
+
+    Args:
+        retention: False leaves out the policies that need retention gates (needs_retention),
+            which only servers started with --kv-evict-retention-gates serve.
+
+    Returns:
+        The names, without "full" (no eviction, not a policy class).
+    """
+    return tuple(name for name, policy in POLICIES.items()
+                 if retention or not policy.needs_retention)
+
+
+def needs_gates(name: str) -> bool:
+    """Whether the registered policy `name` scores from retention gates (a gates file must be
+    loaded to serve it); False for "full" and for names not registered."""
+    policy = POLICIES.get(name)
+    return policy is not None and policy.needs_retention
+
+
 def register_policy(name: str, policy: type[Policy]) -> None:
-    """Add a policy under a --kv-evict-policy name. Its select() may return any distinct
-    candidate indices, at most n per head (set `ascending = False` if they are not sorted)."""
+    """Add a policy under a --kv-evict-policy name (docs/add_policy.md).
+
+    From then on EvictionConfig accepts the name, select_tokens runs it, and a server that
+    imported the registering module (VASE_KV_EVICT_PLUGINS=module) serves it, per server or
+    per request. Its select() may return any distinct candidate indices, at most n per head
+    (set `ascending = False` if they are not sorted).
+
+    Args:
+        name: the --kv-evict-policy / custom_params.kv_evict.policy name; not "full", not a
+            name already registered to another class (registering the same class again is a
+            no-op).
+        policy: a Policy subclass.
+
+    Raises:
+        ValueError: "policy: ..." for a non-Policy or a taken name.
+    """
     if not (isinstance(policy, type) and issubclass(policy, Policy)):
         raise ValueError(f"policy: {policy!r} is not a Policy subclass")
     if name == "full" or (name in POLICIES and POLICIES[name] is not policy):
         raise ValueError(f"policy: the name {name!r} is taken")
     POLICIES[name] = policy
+
+
+# The user-facing values of --kv-evict-policy of a server without retention gates: "full" and
+# every built-in policy that does not need them (trimkv, which scores from a gates file, is
+# served only by servers started with --kv-evict-retention-gates, docs/retention.md). A
+# snapshot of the built-ins; policy_names() lists what is registered now, plugins included.
+POLICY_NAMES = ("full", *policy_names(retention=False))
 
 
 def _check_shapes(cfg: EvictionConfig, keys, values, queries, needs_queries: bool) -> None:
@@ -455,95 +612,146 @@ def _checked_retention(cfg: EvictionConfig, keys, retention) -> Retention | None
     return retention
 
 
+@dataclass(frozen=True, eq=False)
+class SelectParams:
+    """Who a selection is for and how to run it: the keyword arguments that `select_tokens`
+    and `select_candidates` share, as one object (like SGLang's MatchPrefixParams). Build one
+    and pass `params=`, or pass the fields as keywords (they override `params`' own).
+
+    Args:
+        request: id of the request(s), an int or an integer tensor broadcasting to the batch
+            dims (an engine's request keys); keys the draws.
+        layer: layer id(s), likewise (e.g. [1, L] beside request [b, 1]). With neither request
+            nor layer, each batch element is its own stream.
+        round: eviction round(s) (0 the first), likewise: the noise is new every round.
+        seed: the draws' seed, an int or a tensor broadcasting to the batch dims (an engine's
+            requests with their own seeds in one batch); None: cfg.seed. Element-wise it draws
+            exactly what cfg.replace(seed=that value) draws.
+        head_offset: global index of the first KV head in `keys` (a tensor-parallel rank's
+            first head), so per-head draws do not depend on the sharding; >= 0.
+        sinks: how many of the first candidates are sinks, in [0, cfg.sinks]; None: cfg.sinks
+            (an engine whose protected prompt already holds the sinks passes fewer).
+        attention: the model's logit scaling and soft-cap; None: 1/sqrt(D), none.
+        retention: log β and age of every candidate, for needs_retention policies (trimkv)
+            only; see `Retention`.
+        check: raise ValueError on NaN scores (costs a device sync).
+    """
+
+    request: object = None
+    layer: object = None
+    round: object = 0
+    seed: object = None
+    head_offset: int = 0
+    sinks: int | None = None
+    attention: AttentionParams | None = None
+    retention: Retention | None = None
+    check: bool = True
+
+    def draws(self, cfg: EvictionConfig, batch_shape, device) -> Draws:
+        """The random streams of a selection over batch dims `batch_shape` with these ids."""
+        return Draws.make(cfg.seed if self.seed is None else self.seed, batch_shape, device,
+                          self.request, self.layer, self.round, head_offset=self.head_offset)
+
+
+def _params(params: SelectParams | None, fields: dict) -> SelectParams:
+    if params is not None and not isinstance(params, SelectParams):
+        raise ValueError(f"params: expected a SelectParams, got {type(params).__name__}")
+    params = params if params is not None else SelectParams()
+    return dataclasses.replace(params, **fields) if fields else params
+
+
 def select_tokens(
     cfg: EvictionConfig,
     keys: torch.Tensor,
     values: torch.Tensor,
     queries: torch.Tensor | None = None,
     *,
-    request=None,
-    layer=None,
-    round=0,
-    sinks: int | None = None,
-    check: bool = True,
-    attention: AttentionParams | None = None,
-    head_offset: int = 0,
-    retention: Retention | None = None,
+    params: SelectParams | None = None,
     chunk: int | None = None,
-    seed=None,
+    **fields,
 ) -> torch.Tensor:
-    """Candidate indices to keep, LongTensor [..., H_kv, budget - window], ascending per head.
+    """Which candidates each (batch element, KV head) keeps: the policy `cfg.policy` run on
+    plain tensors (what a server's eviction step runs on its gathers).
 
-    keys, values: [..., H_kv, n, D] candidates (every token but the newest `window`), keys
-    post-RoPE. queries: [..., H_q, W, D], the last W queries (attention policies only).
-    request, layer, round: ids (ints or tensors broadcasting to the batch dims) that key the
-    random draws; with neither request nor layer, each batch element is its own stream.
-    sinks: how many of the first candidates are sinks (default cfg.sinks; an engine whose
-    protected prompt already holds the sinks passes fewer). check: raise on NaN scores
-    (costs a device sync). attention: the model's logit scaling and soft-cap (default
-    1/sqrt(D), none). head_offset: global index of the first KV head in `keys` (a
-    tensor-parallel rank's first head), so per-head draws do not depend on the sharding.
-    retention: log β and age of every candidate (trimkv only; see `Retention`).
-    chunk: score the candidates `chunk` tokens at a time (the streamed path, for candidates
-    whose score temporaries do not fit in memory: vase_sglang/stream_select.py); the same
-    selection up to float summation order. Policies that cannot stream raise ValueError.
-    seed: the draws' seed, an int or a tensor broadcasting to the batch dims (an engine's
-    requests with their own seeds in one batch); default cfg.seed. Element-wise it draws
-    exactly what cfg.replace(seed=that value) draws.
+    Args:
+        cfg: the eviction settings; a non-evicting one ("full") keeps every candidate.
+        keys: [*batch, H_kv, n, D] the candidates (every token but the newest `window`),
+            post-RoPE; n >= cfg.keep.
+        values: [*batch, H_kv, n, D].
+        queries: [*batch, H_q, W, D] the last W queries (needs_queries policies only; H_q a
+            multiple of H_kv, same D).
+        params: who the selection is for and how to run it (`SelectParams`: request, layer,
+            round, seed, head_offset, sinks, attention, retention, check).
+        chunk: score the candidates `chunk` tokens at a time (the streamed path, for
+            candidates whose score temporaries do not fit in memory: stream_select.py); the
+            same selection up to float summation order. Policies that cannot stream raise
+            ValueError.
+        **fields: SelectParams fields as keywords (request=..., round=..., ...), overriding
+            those of `params`.
+
+    Returns:
+        LongTensor [*batch, H_kv, cfg.keep] (budget - window) of candidate indices, ascending
+        per head (unless a registered policy sets ascending = False); "full": all n.
+
+    Raises:
+        ValueError: naming the argument at fault (shapes, ids, a policy's missing inputs).
     """
     if not isinstance(cfg, EvictionConfig):
         raise ValueError(f"cfg: expected an EvictionConfig, got {type(cfg).__name__}")
+    params = _params(params, fields)
     n = keys.shape[-2] if keys.dim() >= 2 else 0
     if not cfg.evicts:
         return torch.arange(n, device=keys.device).expand(*keys.shape[:-2], n)
     candidates = None
     if chunk is not None:
         candidates = TensorCandidates(keys, values, chunk)
-    policy, draws, sinks = _prepare(cfg, keys, values, queries, keys.device, request=request,
-                                    layer=layer, round=round, sinks=sinks, attention=attention,
-                                    head_offset=head_offset, retention=retention,
-                                    streamed=candidates is not None, seed=seed)
+    policy, draws, sinks = _prepare(cfg, keys, values, queries, keys.device, params,
+                                    streamed=candidates is not None)
     if candidates is not None:
-        return policy.select_streamed(candidates, queries, draws, sinks, check=check)
-    return policy.select(keys, values, queries, draws, sinks, check=check)
+        return policy.select_streamed(candidates, queries, draws, sinks, check=params.check)
+    return policy.select(keys, values, queries, draws, sinks, check=params.check)
 
 
 def select_candidates(cfg: EvictionConfig, candidates, queries: torch.Tensor | None = None, *,
-                      request=None, layer=None, round=0, sinks: int | None = None,
-                      check: bool = True, attention: AttentionParams | None = None,
-                      head_offset: int = 0, retention: Retention | None = None,
-                      seed=None) -> torch.Tensor:
+                      params: SelectParams | None = None, **fields) -> torch.Tensor:
     """select_tokens over candidates read chunk by chunk (a stream_select.Candidates, e.g. an
-    engine's gathers from its KV pool into a bounded workspace); same arguments otherwise.
-    cfg must evict with a policy that streams (Policy.streams)."""
+    engine's gathers from its KV pool into a bounded workspace).
+
+    Args:
+        cfg: an evicting config whose policy streams (Policy.streams).
+        candidates: a stream_select.Candidates of shape (*batch, H_kv, n).
+        queries, params, **fields: as for select_tokens.
+
+    Returns:
+        As select_tokens.
+    """
     if not isinstance(cfg, EvictionConfig) or not cfg.evicts:
         raise ValueError(f"cfg: expected an EvictionConfig of an evicting policy, got {cfg!r}")
+    params = _params(params, fields)
     # shapes only: a broadcast scalar (on meta, so memory planning counts nothing either)
     like = torch.empty((), device="meta").expand(*candidates.shape, candidates.head_dim)
-    policy, draws, sinks = _prepare(cfg, like, like, queries, candidates.device, request=request,
-                                    layer=layer, round=round, sinks=sinks, attention=attention,
-                                    head_offset=head_offset, retention=retention, streamed=True,
-                                    seed=seed)
-    return policy.select_streamed(candidates, queries, draws, sinks, check=check)
+    policy, draws, sinks = _prepare(cfg, like, like, queries, candidates.device, params,
+                                    streamed=True)
+    return policy.select_streamed(candidates, queries, draws, sinks, check=params.check)
 
 
-def _prepare(cfg, keys, values, queries, device, *, request, layer, round, sinks, attention,
-             head_offset, retention, streamed, seed=None):
+def _prepare(cfg, keys, values, queries, device, params: SelectParams, *, streamed):
     """select_tokens' checks, then (policy, draws, sinks). keys / values give the shapes."""
+    attention = params.attention
     if attention is None:
         attention = AttentionParams()
     if not isinstance(attention, AttentionParams):
         raise ValueError(f"attention: expected an AttentionParams, got {type(attention).__name__}")
+    head_offset = params.head_offset
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
         raise ValueError(f"head_offset: must be an integer >= 0, got {head_offset!r}")
-    policy = POLICIES[cfg.policy](cfg, attention, _checked_retention(cfg, keys, retention))
+    policy = POLICIES[cfg.policy](cfg, attention, _checked_retention(cfg, keys, params.retention))
     _check_shapes(cfg, keys, values, queries, policy.needs_queries)
-    sinks = cfg.sinks if sinks is None else sinks
+    sinks = cfg.sinks if params.sinks is None else params.sinks
     if not 0 <= sinks <= cfg.sinks:
         raise ValueError(f"sinks: must be in [0, {cfg.sinks}], got {sinks}")
     if streamed and not policy.streams():
         raise ValueError(f"chunk: policy {cfg.policy!r} cannot score candidates chunk by chunk "
                          f"(it defines no score_streamed, or overrides select or forced)")
-    draws = Draws.make(cfg.seed if seed is None else seed, keys.shape[:-3], device, request,
-                       layer, round, head_offset=head_offset)
+    draws = params.draws(cfg, keys.shape[:-3], device)
     return policy, draws, sinks

@@ -80,13 +80,14 @@ def scratch_config(cfg: EvictionConfig, policy: str, window: int | None = None) 
     """A small config of `policy` for the scratch chunks: the server's settings that select
     kernels (pool_kernel, projection_rank, temperature, ...) with a budget and window small
     enough for a cheap chunk (values the kernels do not specialise on). Value slots where the
-    policy has them (trimkv's hybrid too), so that the value-range kernel runs."""
+    policy reserves them, also where its default is none (trimkv's hybrid), so that the
+    value-range kernel runs."""
     window = min(cfg.window, 8) if window is None else window
     budget = -(-(window + max(32, 2 * cfg.sinks + 8)) // 16) * 16  # a multiple of 16
-    value_slots = None
-    if policy == "trimkv":
-        value_slots = max(1, (budget - window - cfg.sinks) // 4)
-    return cfg.replace(policy=policy, budget=budget, window=window, value_slots=value_slots)
+    scratch = cfg.replace(policy=policy, budget=budget, window=window, value_slots=None)
+    if POLICIES[policy].reserves_value_slots and not scratch.n_value_slots:
+        scratch = scratch.replace(value_slots=max(1, (budget - window - cfg.sinks) // 4))
+    return scratch
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -249,7 +250,8 @@ def probe(cfg: EvictionConfig, shapes: KVShapes, device, *,
     state), budget + 1, budget + 16 and 2 budget + 17 (early evictions, a long prompt's first)
     on chunk layouts of 2 x 2 layers, 3 x 1 from layer 1, 1 x 3, 1 x 1 from layer 2; then
     per-request budgets and windows (window 1 included) for a query, a CUR and a retention
-    policy where allowed. Returns steps, the compilations they caused and seconds."""
+    policy where allowed (the first registered of each kind: `_probe_kinds`). Returns steps,
+    the compilations they caused and seconds."""
     start = time.perf_counter()
     before = compiled_kernels()
     layouts = ((2, 2, 0), (3, 1, 1), (1, 3, 0), (1, 1, 2))
@@ -266,9 +268,10 @@ def probe(cfg: EvictionConfig, shapes: KVShapes, device, *,
             scratch.step(pcfg, n=n, b=b, l=l, first_layer=first, attention=attention,
                          head_offset=head_offset, page_size=page_size)
             steps += 1
+    kinds = _probe_kinds(policies)
     for budget, window in requests:
-        for policy in ("vase-attnv", "vase-dkv", "trimkv"):
-            if policy in policies and budget > window:
+        for policy in kinds:
+            if budget > window:
                 rcfg = cfg.replace(policy=policy, budget=budget, window=window, value_slots=None)
                 scratch.step(rcfg, n=budget + 3, b=2, l=1, first_layer=1, attention=attention,
                              head_offset=head_offset, page_size=page_size)
@@ -277,6 +280,21 @@ def probe(cfg: EvictionConfig, shapes: KVShapes, device, *,
         torch.cuda.synchronize(device)
     return {"steps": steps, "compiled": new_compilations(before, compiled_kernels()),
             "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _probe_kinds(allowed: list[str]) -> list[str]:
+    """Of the allowed policies, in registration order, the first that scores with queries
+    (vase-attnv), the first that reads K/V without queries or gates (vase-dkv: CUR) and the
+    first that scores from retention gates (trimkv): each kind's kernels at other shapes."""
+    kinds = (lambda p: p.needs_queries,
+             lambda p: p.reads_kv and not p.needs_queries and not p.needs_retention,
+             lambda p: p.needs_retention)
+    found = []
+    for kind in kinds:
+        name = next((n for n in POLICIES if n in allowed and kind(POLICIES[n])), None)
+        if name is not None:
+            found.append(name)
+    return found
 
 
 # Qwen3-4B's attention (36 layers of which the scratch takes 3; 8 KV / 32 query heads, head dim

@@ -75,6 +75,15 @@ def kernel_backend(device: torch.device | str) -> str:
 
 
 def value_range(values: torch.Tensor) -> torch.Tensor:
+    """VaSE's value range of each candidate: Range(v) = max_d v - min_d v.
+
+    Args:
+        values: [..., H, n, D] any float dtype (an fp8 view included); a gathered pool view
+            [..., n, H, D] transposed to [..., H, n, D] is read in place by the kernel.
+
+    Returns:
+        [..., H, n] float32 (vase-attnv's value slots go to the largest).
+    """
     if kernel_backend(values.device) == "triton":
         from .value_range import value_range_triton
 
@@ -84,8 +93,23 @@ def value_range(values: torch.Tensor) -> torch.Tensor:
 
 def window_attention(queries, keys, *, temperature: float = 1.0, pool_kernel: int = 5,
                      scaling: float | None = None, softcap: float = 0.0):
-    """scaling, softcap: the model's attention logit scale (None = 1/sqrt(D)) and tanh soft-cap
-    (0 = none); see window_attention.py."""
+    """SnapKV's window-attention score: the attention the last W queries give each candidate
+    (softmax over the candidates only), averaged over the window and the GQA group, then
+    avg-pooled along the candidates (window_attention.py has the formula).
+
+    Args:
+        queries: [..., H_q, W, D] the last W queries; query head h belongs to KV head
+            h // (H_q / H_kv).
+        keys: [..., H_kv, n, D] the candidates' keys, post-RoPE; same leading dims and D.
+        temperature: divides the logits (VaSE's tau, on top of the model's own scaling).
+        pool_kernel: odd avg-pool width along n (1: no smoothing).
+        scaling: the model's logit scale, logit = q . k * scaling; None: 1/sqrt(D).
+        softcap: the model's tanh soft-cap of the logits (Gemma-2); 0: none.
+
+    Returns:
+        [..., H_kv, n] float32, higher = more attended = keep (each row sums to 1 over n
+        before the pooling).
+    """
     kwargs = dict(temperature=temperature, pool_kernel=pool_kernel, scaling=scaling,
                   softcap=softcap)
     if kernel_backend(keys.device) == "triton":
@@ -96,6 +120,17 @@ def window_attention(queries, keys, *, temperature: float = 1.0, pool_kernel: in
 
 
 def cur_leverage(keys, values, projection):
+    """The CUR leverage score of vase-dkv and curdkv: ||k G||^2 ||v G||^2, normalised over n.
+
+    Args:
+        keys: [..., H, n, D] the candidates' keys.
+        values: [..., H, n, D] their values.
+        projection: [..., D, r] the Gaussian projection G (Draws.projection), shared by the
+            KV heads of a layer (broadcast over H and over keys' leading dims).
+
+    Returns:
+        [..., H, n] float32 summing to 1 over n, higher = keep.
+    """
     if kernel_backend(keys.device) == "triton":
         from .cur_leverage import cur_leverage_triton
 
@@ -105,9 +140,22 @@ def cur_leverage(keys, values, projection):
 
 def compact_kv_(k_buffers, v_buffers, slots, keep, *, ascending: bool = True,
                 first_layer: int = 0) -> None:
-    """keep [B, L, H, K] applies to the pool layers first_layer .. first_layer + L - 1.
-    ascending=False (keep not sorted per head): only the reference, which reads every
-    source before writing, is safe in place."""
+    """Moves each (request, layer, KV head)'s kept tokens to the request's first K slots, in
+    place: buffer[slots[b, j], h] <- buffer[slots[b, keep[b, l, h, j]], h] for K and V.
+
+    Args:
+        k_buffers, v_buffers: per-layer pool tensors [S, H, D] (one pool slot per row; 8-bit
+            float pools are moved as bytes).
+        slots: [B, n] the pool slots of each request's n candidates, in token order.
+        keep: [B, L, H, K] candidate indices per (request, layer, head) (select_tokens'
+            output), for the pool layers first_layer .. first_layer + L - 1.
+        ascending: keep is sorted per head (the kernel relies on keep[j] >= j); False: only
+            the reference, which reads every source before writing, is safe in place.
+        first_layer: the pool layer keep[:, 0] is for.
+
+    Returns:
+        None (the buffers are written in place).
+    """
     if ascending and kernel_backend(slots.device) == "triton":
         from .compact import compact_kv_triton_
 
