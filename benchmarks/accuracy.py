@@ -50,9 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import accuracy_stats as st  # noqa: E402
 from benchmarks._server import REPO, BenchServer  # noqa: E402
+from vase_sglang.policies import needs_gates, policy_names  # noqa: E402
 
-POLICIES = ["full", "vase-attnv", "vase-dkv", "snapkv", "rkv", "random", "streaming",
-            "evict-large-values"]
+# The arms' policies, from the registry (vase_sglang.policies.POLICIES): the full cache and every
+# registered policy that needs no retention gates; those that do (trimkv) run with
+# --retention-gates only (RETENTION_POLICIES, retention_arms).
+POLICIES = ["full", *policy_names(retention=False)]
+RETENTION_POLICIES = [p for p in policy_names() if needs_gates(p)]
 QUERY_POLICY = "vase-attnv"  # a server started with it records queries for every policy
 SAMPLING = {"temperature": 0.6, "top_p": 0.95}  # the paper's sampling
 TF_K = 20
@@ -201,13 +205,24 @@ def gates_id(path) -> str:
     return gates_sha256(path)[:8]
 
 
-def retention_arms(a, budget: int, window: int) -> list[Arm]:
-    """With --retention-gates: plain TRIM-KV and the VaSE hybrid (the N_v = T/4 largest value
-    ranges forced first, as vase-attnv's default) at this budget; none without gates."""
+def retention_arms(a, budget: int, window: int, keep=lambda policy: True,
+                   hybrid: bool = True) -> list[Arm]:
+    """With --retention-gates, per policy that scores from them (trimkv) and `keep`s: the plain
+    policy (TRIM-KV) and, with `hybrid` where it reserves value slots, the VaSE hybrid (the
+    N_v = T/4 largest value ranges forced first, as vase-attnv's default) at this budget;
+    none without gates."""
+    from vase_sglang.policies import POLICIES as REGISTRY
+
     if not a.gates_id:
         return []
-    return [Arm("trimkv", budget, window, gates=a.gates_id),
-            Arm("trimkv", budget, window, value_slots=budget // 4, gates=a.gates_id)]
+    arms = []
+    for p in RETENTION_POLICIES:
+        if not keep(p):
+            continue
+        arms.append(Arm(p, budget, window, gates=a.gates_id))
+        if hybrid and REGISTRY[p].reserves_value_slots:
+            arms.append(Arm(p, budget, window, value_slots=budget // 4, gates=a.gates_id))
+    return arms
 
 
 def stage_arms(stage: str, a) -> list[Arm]:
@@ -222,9 +237,8 @@ def stage_arms(stage: str, a) -> list[Arm]:
     ablations = not getattr(a, "no_ablations", False)
     ablation = ([Arm("vase-attnv", a.budget, a.window, value_slots=0)]
                 if keep("vase-attnv") and ablations else [])
-    learned = retention_arms(a, a.budget, a.window) if keep("trimkv") else []
-    if not ablations:
-        learned = learned[:1]  # plain trimkv, not the hybrid
+    # plain trimkv, and without --no-ablations its hybrid
+    learned = retention_arms(a, a.budget, a.window, keep, hybrid=ablations)
     if stage == "greedy":
         return main + ablation + learned
     if stage == "tf":
@@ -239,7 +253,7 @@ def stage_arms(stage: str, a) -> list[Arm]:
             arms += [Arm(p, b, w) for p in POLICIES[1:] if keep(p)]
             # plain TRIM-KV with the gates; no ablations here: greedy answers on 100 problems
             # do not separate them (docs/accuracy.md), the teacher-forced stages do
-            arms += retention_arms(a, b, w)[:1] if keep("trimkv") else []
+            arms += retention_arms(a, b, w, keep, hybrid=False)
         return arms
     if stage == "sample":
         return [Arm(x.policy, x.budget, x.window, x.value_slots, decoding="sample")
@@ -249,7 +263,7 @@ def stage_arms(stage: str, a) -> list[Arm]:
         for b in a.curve:
             w = a.window if b == a.budget else window_for(b)
             for p in a.curve_policies:
-                arms.append(Arm(p, b, w, kind="tf", gates=a.gates_id if p == "trimkv" else ""))
+                arms.append(Arm(p, b, w, kind="tf", gates=a.gates_id if needs_gates(p) else ""))
         return arms
     raise ValueError(f"--stages: unknown stage {stage!r}; use greedy, tf, curve, sweep, sample")
 
@@ -343,7 +357,7 @@ class Harness:
         if not arms[0].evicts:
             return []
         return (arms[0].flags() + ["--kv-evict-seed", str(eviction_seed(self.a))]
-                + (self.gates_flags() if arms[0].policy == "trimkv" else []))
+                + (self.gates_flags() if needs_gates(arms[0].policy) else []))
 
     def gates_flags(self) -> list[str]:
         # the gate runs for every token of every request; the other arms' outputs do not change
@@ -780,7 +794,8 @@ def tf_pairs(fields: dict, sums: dict, boot_iters: int) -> dict:
 
     for ref_name, ref in sums.items():
         a = Arm(**fields[ref_name])
-        if a.value_slots is not None or a.policy not in (PAIR_REFERENCE, "trimkv"):
+        if a.value_slots is not None or not (a.policy == PAIR_REFERENCE
+                                             or needs_gates(a.policy)):
             continue
         for name, other in sums.items():
             b = Arm(**fields[name])
@@ -789,8 +804,8 @@ def tf_pairs(fields: dict, sums: dict, boot_iters: int) -> dict:
             # trimkv is the reference against its own hybrid (same gates) and, where two gates
             # files ran, against the other gates with the same value slots (once per pair:
             # the gates whose hash sorts first are the reference)
-            if a.policy == "trimkv" and not (
-                    b.policy == "trimkv" and (b.gates == a.gates or (
+            if needs_gates(a.policy) and not (
+                    b.policy == a.policy and (b.gates == a.gates or (
                         b.value_slots == a.value_slots and b.gates > a.gates))):
                 continue
             pids = sorted(set(ref) & set(other))
@@ -1153,16 +1168,16 @@ def parse_args(argv=None):
         a.curve = [int(x) for x in a.curve.split(",") if x]
         a.curve_policies = [x for x in a.curve_policies.split(",") if x]
         a.policies = [x for x in a.policies.split(",") if x]
-        unknown = set(a.policies) - set(POLICIES + ["trimkv"])
+        known = POLICIES + RETENTION_POLICIES
+        unknown = set(a.policies) - set(known)
         if unknown:
-            ap.error(f"--policies: unknown {sorted(unknown)}; choose from "
-                     f"{POLICIES + ['trimkv']}")
-        unknown = set(a.curve_policies) - set(POLICIES[1:] + ["trimkv"])
+            ap.error(f"--policies: unknown {sorted(unknown)}; choose from {known}")
+        unknown = set(a.curve_policies) - set(known[1:])
         if unknown:
-            ap.error(f"--curve-policies: unknown {sorted(unknown)}; choose from "
-                     f"{POLICIES[1:] + ['trimkv']}")
-        if "trimkv" in a.curve_policies and not a.retention_gates:
-            ap.error("--curve-policies: trimkv needs --retention-gates")
+            ap.error(f"--curve-policies: unknown {sorted(unknown)}; choose from {known[1:]}")
+        gated = [p for p in a.curve_policies if needs_gates(p)]
+        if gated and not a.retention_gates:
+            ap.error(f"--curve-policies: {gated[0]} needs --retention-gates")
         if a.retention_gates and not Path(a.retention_gates).is_file():
             ap.error(f"--retention-gates: no such file: {a.retention_gates}")
         a.gates_id = gates_id(a.retention_gates) if a.retention_gates else ""  # hashed once

@@ -655,11 +655,14 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
     n = args.max_total_tokens
     # the server's prompts are longer than --input-len (re-tokenized text): 2x slack
     ceiling_pool = int(args.num_prompts * (2 * args.input_len + args.output_len) * 1.05) + 1024
-    # only trimkv reads the gates: the other arms run (and are recorded) without them
+    # only trimkv (a policy scoring from retention gates) reads the gates: the other arms run
+    # (and are recorded) without them
     gates = ["--kv-evict-retention-gates", str(args.gates)] if args.gates else []
 
     def gates_for(policy):
-        return gates if policy == "trimkv" else []
+        from vase_sglang.policies import needs_gates
+
+        return gates if needs_gates(policy) else []
     arms = []
     for page in args.page_size:
         for kv in args.kv_dtypes:
@@ -738,8 +741,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"discard the records of earlier runs in --out ({RECORDS}) instead of "
                     "reusing those made with the same settings")
     args = ap.parse_args(argv)
-    if "trimkv" in args.policies and not args.gates:
-        ap.error("--policies trimkv needs --gates FILE (retention gates trained for the model)")
+    from vase_sglang.policies import needs_gates
+
+    gated = [p for p in args.policies if needs_gates(p)]
+    if gated and not args.gates:
+        ap.error(f"--policies {gated[0]} needs --gates FILE (retention gates trained for the "
+                 "model)")
     if args.dtype is None:
         args.dtype = "auto" if on_cuda() else "float32"
     if args.model_path is None:

@@ -57,6 +57,7 @@ from benchmarks import concurrency_scaling as cs  # noqa: E402
 from benchmarks._server import BenchServer  # noqa: E402
 
 ARMS = ("full", "fixed", "elastic", "elastic-trimkv")
+ARM_POLICY = {"fixed": "vase-attnv", "elastic": "vase-attnv", "elastic-trimkv": "trimkv"}
 CAUSES = ("scheduled", "decode_pressure", "admission_pressure")
 BY_CAUSE = "vase:evictions_by_cause_total"
 
@@ -65,11 +66,13 @@ def arm_flags(arm: str, a) -> list[str]:
     """launch_server flags of an arm (the rest of the server is the same for every arm)."""
     if arm == "full":
         return []
-    policy = "trimkv" if arm == "elastic-trimkv" else "vase-attnv"
+    from vase_sglang.policies import needs_gates
+
+    policy = ARM_POLICY[arm]
     flags = ["--kv-evict-policy", policy, "--kv-evict-budget", str(a.budget),
              "--kv-evict-window", str(a.window), "--kv-evict-seed", str(a.seed),
              "--kv-evict-mode", "fixed" if arm == "fixed" else "elastic"]
-    if policy == "trimkv":
+    if needs_gates(policy):
         flags += ["--kv-evict-retention-gates", str(Path(a.retention_gates).resolve())]
     return flags
 

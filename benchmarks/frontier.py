@@ -22,7 +22,7 @@ folder is paired with round i of another: the rounds must have been run as round
         --accuracy docs/results/accuracy docs/results/accuracy_keyed_T64 \\
         docs/results/accuracy_seeds/eseed{1,2} \\
         --concurrency docs/results/frontier_rounds/T{128,32,64,192} --gates 3b741943 \\
-        --out docs/results/frontier
+        --policies vase-attnv vase-dkv snapkv trimkv --out docs/results/frontier
 
 Several --accuracy folders: where more than one holds an arm at the same eviction seed (the
 folder's config.json), the later folder's entry is used (arms served again, e.g. with the keyed
@@ -51,9 +51,11 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import accuracy, paired_runs  # noqa: E402
 from benchmarks.accuracy_stats import wilson  # noqa: E402
+from vase_sglang.policies import needs_gates, policy_names  # noqa: E402
 
 WORKLOAD = ("model_path", "max_total_tokens", "input_len", "output_len", "num_prompts", "dtype")
-DEFAULT_POLICIES = ["vase-attnv", "vase-dkv", "snapkv", "trimkv"]
+# every registered policy (vase_sglang.policies.POLICIES); those without records are no points
+DEFAULT_POLICIES = list(policy_names())
 
 
 def merge_accuracy(summaries: list[tuple]) -> dict:
@@ -117,7 +119,7 @@ def accuracy_points(summary: dict, policies: list[str], gates: str | None) -> tu
     for g in gen.values():
         if g["decoding"] != "greedy" or g["policy"] not in policies or g["value_slots"] is not None:
             continue
-        if g["policy"] == "trimkv":
+        if needs_gates(g["policy"]):
             if gates and g["gates"] != gates:
                 continue
             trim_gates.add(g["gates"])
@@ -149,7 +151,7 @@ def throughput_runs(folders: list[Path], gates: str | None = None) -> tuple[dict
                                                    "page_size": row.get("page_size", 1)}
             if " " in row["arm"]:  # another KV dtype's arm ("vase-attnv@N fp8_e4m3")
                 continue
-            if gates and row["arm"].startswith("trimkv") and not (
+            if gates and needs_gates(row["arm"].partition("@")[0]) and not (
                     row.get("gates_sha256") or "").startswith(gates):
                 continue
             workload = workload or w
@@ -328,7 +330,8 @@ def main(argv=None) -> int:
                          "an earlier one of the same name")
     ap.add_argument("--concurrency", nargs="+", required=True,
                     help="concurrency_scaling.py --out folders (runs.jsonl), one workload")
-    ap.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES)
+    ap.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES,
+                    help="the policies plotted (default: every registered policy with records)")
     ap.add_argument("--gates", help="gates id of the trimkv arms (needed when several)")
     ap.add_argument("--throughput-policy", default="vase-attnv",
                     help="whose runs give a budget's throughput where a policy has none")

