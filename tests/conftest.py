@@ -150,8 +150,9 @@ def snapkv_server(tiny_model_fp32):
     """tiny fp32 Qwen3, snapkv (SNAPKV), a decode log line every step, Prometheus metrics on,
     and the test-only policies `test-permute` (tests/permute_policy.py) and `test-fault-*`
     (tests/fault_policy.py: a step that fails at a chosen stage) loaded, so requests can
-    ask for them. Shared by every module that needs these settings; each module runs the idle
-    leak check (wait_idle_checked) after its own requests."""
+    ask for them, and docs/add_policy.md's example `vatp` (examples/my_policy.py). Shared by
+    every module that needs these settings; each module runs the idle leak check
+    (wait_idle_checked) after its own requests."""
     # Its query rings are held in the pool (--kv-evict-ring pool), as on a server started
     # without --max-total-tokens; the other shared servers hold them beside their pools.
     flags = ["--dtype", "float32", "--decode-log-interval", "1", "--enable-metrics",
@@ -159,8 +160,10 @@ def snapkv_server(tiny_model_fp32):
     for key, value in SNAPKV.items():
         flags += ["--kv-evict-" + key, str(value)]
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = {"VASE_KV_EVICT_PLUGINS": "permute_policy,fault_policy",
-           "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
+    examples_dir = os.path.join(os.path.dirname(tests_dir), "examples")
+    env = {"VASE_KV_EVICT_PLUGINS": "permute_policy,fault_policy,my_policy",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, examples_dir,
+                                                       os.environ.get("PYTHONPATH")]))}
     yield from _shared_server("snapkv_server", tiny_model_fp32, flags, env=env)
 
 
