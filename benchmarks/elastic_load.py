@@ -58,6 +58,7 @@ from benchmarks._server import BenchServer  # noqa: E402
 
 ARMS = ("full", "fixed", "elastic", "elastic-trimkv")
 ARM_POLICY = {"fixed": "vase-attnv", "elastic": "vase-attnv", "elastic-trimkv": "trimkv"}
+TF_POLICY = "vase-attnv"  # the policy of the teacher-forced KL curve (run_tf)
 CAUSES = ("scheduled", "decode_pressure", "admission_pressure")
 BY_CAUSE = "vase:evictions_by_cause_total"
 
@@ -336,13 +337,13 @@ def run_tf(a) -> dict:
             "--task", a.task, "--seed", str(a.seed), "--budget", str(a.budget),
             "--window", str(a.window), "--max-new-tokens", str(a.max_new_tokens),
             "--dtype", a.dtype, "--threads", str(a.threads), "--concurrency", str(a.tf_concurrency),
-            "--curve", ",".join(map(str, budgets)), "--curve-policies", "vase-attnv",
+            "--curve", ",".join(map(str, budgets)), "--curve-policies", TF_POLICY,
             "--sweep", str(a.budget), "--stages", "", "--tf-n", str(a.tf_n),
             "--server-args", a.server_args]
     ha = acc.parse_args(argv)
     h = acc.Harness(ha)
     try:
-        arms = [acc.Arm("vase-attnv", b, a.window, kind="tf") for b in budgets]
+        arms = [acc.Arm(TF_POLICY, b, a.window, kind="tf") for b in budgets]
         h.teacher_forced("tf", arms, acc.load_problems(a.task, a.tf_n, a.seed))
     finally:
         h.close()
@@ -378,7 +379,7 @@ def tf_summary(out: Path, boot_iters: int) -> dict:
     summary = acc.report(tf_out, boot_iters)["teacher_forced"]
     rows = {}
     for s in summary.values():
-        if s.get("policy") != "vase-attnv" or "kl_after_first_eviction" not in s:
+        if s.get("policy") != TF_POLICY or "kl_after_first_eviction" not in s:
             continue
         rows[str(s["budget"])] = {
             "budget": s["budget"], "window": s["window"], "n": s["n_paired"],

@@ -251,6 +251,40 @@ def test_default_value_slots_is_a_quarter_of_the_budget():
     assert EvictionConfig(budget=1024).trigger_len == 1088 and EvictionConfig(budget=1024).keep == 960
 
 
+def test_what_a_policy_needs_is_read_from_its_class():
+    """Value slots, gates and the policy lists come from the registered classes: a policy
+    registered with its own value-slot default is validated and resolved with no edit to the
+    config, and the lists of names follow the registry."""
+    from vase_sglang.policies import VaseAttnVPolicy, needs_gates, policy_names, register_policy
+
+    # the built-ins, snapshot at import; register_policy's come after them
+    assert ("full", *policy_names(retention=False))[:len(POLICY_NAMES)] == POLICY_NAMES
+    assert "trimkv" in policy_names() and "trimkv" not in policy_names(retention=False)
+    assert needs_gates("trimkv") and not needs_gates("full") and not needs_gates("snapkv")
+    owners = [n for n, p in POLICIES.items() if p.reserves_value_slots]
+    assert owners[:2] == ["vase-attnv", "trimkv"]
+    assert EvictionConfig(policy="trimkv", budget=64, window=16).n_value_slots == 0
+
+    class Eighth(VaseAttnVPolicy):
+        @classmethod
+        def default_value_slots(cls, cfg):
+            return cfg.budget // 8
+
+    register_policy("test-eighth", Eighth)
+    try:
+        assert EvictionConfig(policy="test-eighth", budget=64, window=16).n_value_slots == 8
+        assert EvictionConfig(policy="test-eighth", budget=64, window=16,
+                              value_slots=3).n_value_slots == 3
+        with pytest.raises(ValueError, match=r"value_slots: only the vase-attnv policy reserves "
+                           r"value slots \(and trimkv, as the VaSE \+ retention hybrid\) ") as err:
+            EvictionConfig(policy="snapkv", value_slots=4)
+        assert str(err.value).endswith(" (and test-eighth) (policy is 'snapkv'); leave it unset "
+                                       "or 0")
+        assert "test-eighth" in policy_names() and not needs_gates("test-eighth")
+    finally:
+        del POLICIES["test-eighth"]
+
+
 def test_bad_inputs_name_the_argument():
     cfg = EvictionConfig(policy="vase-attnv", budget=64, window=16)
     k, v, q = _kvq(n=80)
