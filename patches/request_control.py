@@ -177,6 +177,7 @@ def after_verify(result, self, *args, **kwargs):
     """AFTER SamplingParams.verify (tokenizer manager): reject bad kv_evict values, beam
     search where the request would evict, and settings beyond the server's distinct-settings
     bound, with a ValueError, which SGLang answers with HTTP 400."""
+    check_sampling_bounds(self)
     custom = self.custom_params
     beam = (self.beam_width or 1) > 1
     if beam or (isinstance(custom, dict) and custom.get(KEY) is not None):
@@ -188,6 +189,36 @@ def after_verify(result, self, *args, **kwargs):
         if server.evicts:
             check_distinct(cfg, server.config, server.limits)
     return result
+
+
+INT32_MAX = 2**31 - 1
+MAX_PARALLEL_SAMPLES = 128  # n: what the OpenAI API allows
+
+
+def check_sampling_bounds(params) -> None:
+    """Sampling values SGLang 0.5.23 lets through and then fails on inside the scheduler,
+    taking the server down: a top_k past int32 (its sampling batch is an int32 tensor)."""
+    top_k = params.top_k
+    if isinstance(top_k, int) and top_k > INT32_MAX:
+        raise ValueError(f"top_k: must be -1 (off) or in [1, {INT32_MAX}], got {top_k}")
+
+
+TARGET_PARALLEL_SAMPLING = (
+    "sglang.srt.managers.io_struct.GenerateReqInput._handle_parallel_sampling")
+
+
+def around_parallel_sampling(original, self, *args, **kwargs):
+    """AROUND GenerateReqInput._handle_parallel_sampling: `n` must be an integer in
+    [1, MAX_PARALLEL_SAMPLES] (SGLang compares it with 1 unchecked: `null` was an HTTP 500,
+    and a huge n fans one request out into that many)."""
+    params = self.sampling_params
+    for p in params if isinstance(params, list) else [params]:
+        if isinstance(p, dict) and "n" in p:
+            n = p["n"]
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PARALLEL_SAMPLES:
+                raise ValueError(f"n: must be an integer in [1, {MAX_PARALLEL_SAMPLES}], "
+                                 f"got {n!r}")
+    return original(self, *args, **kwargs)
 
 
 def refuse_beam_search(beam_width: int):
@@ -210,6 +241,11 @@ def after_validate_one_request(result, self, obj, input_ids, *args, **kwargs):
     """AFTER TokenizerManager._validate_one_request: a token id outside the vocabulary would
     crash the scheduler in the embedding lookup and take the whole server down (SGLang 0.5.23
     does not check `input_ids`); refuse it as a bad request (HTTP 400) instead."""
+    embeds = getattr(obj, "input_embeds", None)
+    if input_ids is not None and len(input_ids) == 0 and embeds is None:
+        # SGLang 0.5.23 runs a prompt of no tokens (text "" with a tokenizer that adds none)
+        # and its logits processor indexes past the empty batch: the scheduler dies.
+        raise ValueError("text: the prompt has no tokens; send at least one")
     vocab = self.model_config.vocab_size
     if input_ids and (min(input_ids) < 0 or max(input_ids) >= vocab):
         bad = next(t for t in input_ids if t < 0 or t >= vocab)
@@ -220,4 +256,5 @@ def after_validate_one_request(result, self, obj, input_ids, *args, **kwargs):
 HOOKS = [
     (TARGET_VERIFY, "AFTER", after_verify),
     (TARGET_VALIDATE_REQUEST, "AFTER", after_validate_one_request),
+    (TARGET_PARALLEL_SAMPLING, "AROUND", around_parallel_sampling),
 ]

@@ -314,6 +314,9 @@ def load_server_gates(path, hf_config, source=flag_name):
         return load_gates(path, hf_config)
     except GatesError as err:
         raise ValueError(f"{source(GATES)}: {err}") from None
+    except OSError as err:  # a name the file system refuses (too long, say)
+        raise ValueError(f"{source(GATES)}: cannot read {str(path)[:80]!r}: "
+                         f"{err.strerror or err}") from None
 
 
 def export_to_env(values: dict[str, object], environ=os.environ) -> None:
