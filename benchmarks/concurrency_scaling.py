@@ -678,7 +678,7 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
                     arms.append((f"{p}@N{sfx}", [*kv_args, "--kv-evict-policy", p,
                                                  "--kv-evict-budget", str(args.budget),
                                                  "--kv-evict-window", str(args.window),
-                                                 *gates_for(p)], pool, page))
+                                                 *args.kv_args, *gates_for(p)], pool, page))
             if "vase-dp2" in selected:
                 for p in args.policies:
                     # the pool flag is per worker: half each
@@ -686,7 +686,8 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
                                                       "--kv-evict-policy", p,
                                                       "--kv-evict-budget", str(args.budget),
                                                       "--kv-evict-window", str(args.window),
-                                                      *gates_for(p)], pool // 2, page))
+                                                      *args.kv_args, *gates_for(p)], pool // 2,
+                                                     page))
             if "ceiling" in selected:
                 arms.append((f"ceiling{sfx}", kv_args, ceiling_pool, page))
     return arms
@@ -735,6 +736,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "python -m vase_sglang.retention train); the other arms' records stay "
                     "valid when it is added or changed")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kv-args", action="append", default=[], metavar="FLAG=VALUE",
+                    help="one more --kv-evict-* flag for the eviction arms, repeatable, e.g. "
+                    "--kv-args=--kv-evict-ring=pool (servers start with a scrubbed environment: "
+                    "VASE_KV_EVICT_* variables do not reach them)")
     ap.add_argument("--out", default=str(REPO / "results" / "concurrency"))
     ap.add_argument("--quiet-client", action="store_true", help="hide the client's progress bar")
     ap.add_argument("--fresh", action="store_true",

@@ -305,12 +305,14 @@ def plan_group(rt, cfg, n, num_requests) -> StepPlan | None:
     max_candidates)."""
     headroom = rt.workspace.headroom - group_bytes(num_requests)
     policy = POLICIES[cfg.policy]
-    plan = plan_step(lambda chunk: step_cost(cfg, rt.shapes, n, rt.device_type, chunk),
-                     n, num_requests, rt.num_layers, rt.workspace.buffer_bytes, headroom,
-                     streams=policy.streams())
-    if plan is not None:
-        return plan
-    need = step_cost(cfg, rt.shapes, n, rt.device_type)
+    for exact in (False, True):  # the shared, rounded-up cost; then the cut's own (rare)
+        plan = plan_step(lambda chunk: step_cost(cfg, rt.shapes, n, rt.device_type, chunk,
+                                                 exact),
+                         n, num_requests, rt.num_layers, rt.workspace.buffer_bytes, headroom,
+                         streams=policy.streams())
+        if plan is not None:
+            return plan
+    need = step_cost(cfg, rt.shapes, n, rt.device_type, exact=True)
     need = need.buffer(1, 1) + need.temporaries(1, 1)
     message = (f"an eviction step of policy {cfg.policy!r} over {n} candidates needs "
                f"{need / 2**20:.1f} MiB per (request, layer), more than the "
@@ -338,8 +340,18 @@ def prime_plans(rt) -> int:
         return 0
     top = rt.max_candidates or rt.limits.max_budget
     samples = cut_samples(cfg.budget, top)
+    unfit = []
     for level, n in samples:
-        plan_group(rt, cfg.replace(budget=level, ceiling=None), n, 1)
+        try:
+            plan_group(rt, cfg.replace(budget=level, ceiling=None), n, 1)
+        except RuntimeError as err:  # a cut this workspace cannot hold: said, not fatal
+            unfit.append((level, n, err))
+    if unfit:
+        level, n, err = unfit[0]
+        logger.warning("%d of %d elastic cut sizes do not fit the step workspace even streamed, "
+                       "e.g. to %d tokens over %d candidates (%s); such cuts are planned at "
+                       "their own budget when they come", len(unfit), len(samples), level, n,
+                       err)
     return len(samples)
 
 

@@ -506,9 +506,9 @@ def test_servers_need_gates_for_trimkv_at_startup_and_per_request():
                                          "this server did not load"):
         effective_config({"kv_evict": {"policy": "trimkv"}}, server)
     assert effective_config({"kv_evict": {"policy": "snapkv"}}, server).policy == "snapkv"
-    hybrid = effective_config({"kv_evict": {"policy": "trimkv", "value_slots": 5}}, server,
-                              has_gates=True)
-    assert (hybrid.policy, hybrid.n_value_slots) == ("trimkv", 5)
+    hybrid = effective_config({"kv_evict": {"policy": "trimkv", "value_slots": 8}}, server,
+                              has_gates=True)  # on the grid (a quarter of the window: 4)
+    assert (hybrid.policy, hybrid.n_value_slots) == ("trimkv", 8)
     assert effective_config({"kv_evict": {"policy": "trimkv"}}, server,
                             has_gates=True).n_value_slots == 0
 

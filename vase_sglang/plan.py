@@ -144,7 +144,7 @@ def trace_chunk(cfg: EvictionConfig, shapes: KVShapes, n: int, b: int, l: int, s
 
 
 def chunk_cost(cfg: EvictionConfig, shapes: KVShapes, n: int, device: str,
-               chunk: int | None = None) -> ChunkCost:
+               chunk: int | None = None, exact: bool = False) -> ChunkCost:
     """The cost of a chunk with n candidates, traced at the smallest of {cfg.budget, powers
     of two} >= n (costs grow with n), so a server traces a handful of sizes in its life.
     chunk: of the streamed stage with candidate chunks of that many tokens (costs grow with
@@ -153,12 +153,13 @@ def chunk_cost(cfg: EvictionConfig, shapes: KVShapes, n: int, device: str,
     Only what changes a chunk's memory is in the trace's key (cost_key), and a cut below the
     bucket (an elastic level, or pressure) is traced at its budget rounded up to a power of
     two: costs never fall as the budget grows (measured on Qwen3-4B shapes: flat, then higher
-    as the kept count nears n), so the levels a server cuts to share a few traces."""
-    key, bucket, chunk = cost_key(cfg, n, chunk)
+    as the kept count nears n), so the levels a server cuts to share a few traces. `exact`:
+    at the budget itself (where the rounded cost does not fit, a plan tries this one)."""
+    key, bucket, chunk = cost_key(cfg, n, chunk, exact)
     return _chunk_cost(key, shapes, bucket, key.sinks, device, chunk)
 
 
-def cost_key(cfg: EvictionConfig, n: int, chunk: int | None = None):
+def cost_key(cfg: EvictionConfig, n: int, chunk: int | None = None, exact: bool = False):
     """(settings, candidate bucket, candidate chunk) a chunk's cost is traced at: the seed
     (what is drawn), the workspace size (how a step is chunked), the mode and ceiling (when
     a step runs) and the sinks (which entries a mask sets) are left out; the value slots are
@@ -168,7 +169,7 @@ def cost_key(cfg: EvictionConfig, n: int, chunk: int | None = None):
         bucket = budget = cfg.budget
     else:
         bucket = _power_of_two(n)
-        budget = min(_power_of_two(cfg.budget), bucket)
+        budget = cfg.budget if exact else min(_power_of_two(cfg.budget), bucket)
     if chunk is not None and chunk >= bucket:
         chunk = None  # one chunk holds every candidate: the plain stage
     value_slots = None
@@ -194,8 +195,9 @@ def cut_samples(budget: int, max_candidates: int) -> list[tuple[int, int]]:
         level_bucket = _power_of_two(budget)
         while level_bucket <= bucket:
             level = max(budget, level_bucket // 2 + 1)
-            if level < bucket:
-                samples.append((level, bucket))
+            n = min(bucket, max_candidates)  # same bucket, within what the server admits
+            if level < n:
+                samples.append((level, n))
             level_bucket *= 2
         bucket *= 2
     return samples
@@ -346,10 +348,11 @@ def request_bytes(n: int, window: int) -> int:
     return (n + window) * (8 + 4 + 8) + window * 8 * 4 + window * (8 + 4) + n * 8
 
 
-def step_cost(cfg, shapes, n, device_type, chunk: int | None = None) -> ChunkCost:
+def step_cost(cfg, shapes, n, device_type, chunk: int | None = None,
+              exact: bool = False) -> ChunkCost:
     """The chunk stage's measured cost plus what each request of a chunk holds around it;
-    chunk: of the streamed stage, candidate chunks of that many tokens."""
-    cost = chunk_cost(cfg, shapes, n, device_type, chunk)
+    chunk: of the streamed stage, candidate chunks of that many tokens; exact: chunk_cost's."""
+    cost = chunk_cost(cfg, shapes, n, device_type, chunk, exact)
     return dataclasses.replace(cost, per_request=cost.per_request + request_bytes(n, cfg.window))
 
 
