@@ -13,10 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from fault_policy import PREFIX, STAGES
 from servers import SNAPKV, max_logprob_diff, reference, serve_request
 
 torch.set_num_threads(1)
+# tests/fault_policy.py's names. Not imported: importing it registers its policies and wraps
+# the step in this process too, where other tests read the registry.
+PREFIX, STAGES = "test-fault-", ("plan", "stage", "select", "compact", "rewrite")
 N = 90  # tokens per request: 7 eviction rounds at budget 32, window 8
 MAX_SEED = 2**63 - 1
 
