@@ -188,14 +188,17 @@ def window_for(budget: int) -> int:
 
 def request_limit_flags(a) -> list[str]:
     """The per-request limits of the one server that serves every stage's arms: its largest
-    budget, smallest window, and a grid every budget, window and value_slots is on."""
+    budget, smallest window, a grid every budget, window and value_slots is on, and room for
+    every arm's distinct settings."""
     arms = [x for stage in ("greedy", "tf", "sweep", "curve", "sample")
             for x in stage_arms(stage, a) if x.evicts]
     values = [x.budget for x in arms] + [x.window for x in arms] + [
         x.value_slots for x in arms if x.value_slots is not None]
     return ["--kv-evict-max-budget", str(max([a.budget] + [x.budget for x in arms])),
             "--kv-evict-min-window", str(min(x.window for x in arms)),
-            "--kv-evict-grid", str(math.gcd(*values))]
+            "--kv-evict-grid", str(math.gcd(*values)),
+            # every arm's settings at once (the default bound is 16 in recent use)
+            "--kv-evict-max-settings", str(max(16, len({x.setting for x in arms})))]
 
 
 def gates_id(path) -> str:

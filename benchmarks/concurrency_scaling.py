@@ -658,6 +658,7 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
     # only trimkv (a policy scoring from retention gates) reads the gates: the other arms run
     # (and are recorded) without them
     gates = ["--kv-evict-retention-gates", str(args.gates)] if args.gates else []
+    extra = getattr(args, "kv_args", [])  # --kv-args, for the eviction arms
 
     def gates_for(policy):
         from vase_sglang.policies import needs_gates
@@ -678,7 +679,7 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
                     arms.append((f"{p}@N{sfx}", [*kv_args, "--kv-evict-policy", p,
                                                  "--kv-evict-budget", str(args.budget),
                                                  "--kv-evict-window", str(args.window),
-                                                 *args.kv_args, *gates_for(p)], pool, page))
+                                                 *extra, *gates_for(p)], pool, page))
             if "vase-dp2" in selected:
                 for p in args.policies:
                     # the pool flag is per worker: half each
@@ -686,7 +687,7 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
                                                       "--kv-evict-policy", p,
                                                       "--kv-evict-budget", str(args.budget),
                                                       "--kv-evict-window", str(args.window),
-                                                      *args.kv_args, *gates_for(p)], pool // 2,
+                                                      *extra, *gates_for(p)], pool // 2,
                                                      page))
             if "ceiling" in selected:
                 arms.append((f"ceiling{sfx}", kv_args, ceiling_pool, page))

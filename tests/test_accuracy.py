@@ -151,13 +151,14 @@ def _check_and_resume(h, a, out):
     records = out / "records.jsonl"
     rows = [json.loads(x) for x in records.read_text().splitlines()]
     arms = {r["arm"] for r in rows}
-    # greedy: 8 policies + the value_slots=0 ablation + trimkv and its hybrid (the gates);
-    # tf: the same 11; curve: budgets 8 and 12 for 2 policies (16 is tf's); sweep: budget 12
-    # for the 7 evicting policies + plain trimkv (no ablation); sampling: 8 policies
-    assert len([x for x in arms if x.endswith(":greedy")]) == 11 + 8
-    assert len([x for x in arms if x.endswith(":tf")]) == 11 + 4
-    assert len([x for x in arms if x.endswith(":sample")]) == 8
-    assert len(rows) == 11 * 2 + 11 * 2 + 4 * 1 + 8 * 1 + 8 * 1
+    # greedy: the 9 registered policies without gates (curdkv included since the arms come
+    # from the registry) + the value_slots=0 ablation + trimkv and its hybrid (the gates);
+    # tf: the same 12; curve: budgets 8 and 12 for 2 policies (16 is tf's); sweep: budget 12
+    # for the 8 evicting policies + plain trimkv (no ablation); sampling: 9 policies
+    assert len([x for x in arms if x.endswith(":greedy")]) == 12 + 9
+    assert len([x for x in arms if x.endswith(":tf")]) == 12 + 4
+    assert len([x for x in arms if x.endswith(":sample")]) == 9
+    assert len(rows) == 12 * 2 + 12 * 2 + 4 * 1 + 9 * 1 + 9 * 1
     gid = acc.gates_id(a.retention_gates)
     assert {f"trimkv@16/w4/g{gid}:greedy", f"trimkv@16/w4/nv4/g{gid}:greedy:tf"} <= arms
     assert f"trimkv@12/w4/g{gid}:greedy" in arms and "vase-attnv@12/w4/nv0:greedy" not in arms

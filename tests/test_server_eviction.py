@@ -137,9 +137,10 @@ def test_concurrent_requests_share_the_prefix_untouched(snapkv_server, tokenizer
         assert meta["kv_evicted_tokens"] > 0
         assert meta["cached_tokens"] >= shared - 1
     # Several requests in the batch at once: the tree holds the shared prefix once and each
-    # prompt's own tail, and each request at most T + R private tokens.
+    # prompt's own tail, and each request at most T + R private tokens and its query ring.
     common_ids = len(os.path.commonprefix(prompts))
-    bound = common_ids + sum(len(p) - common_ids for p in prompts) + len(prompts) * TRIGGER
+    bound = (common_ids + sum(len(p) - common_ids for p in prompts)
+             + len(prompts) * (TRIGGER + RING))
     assert usage and max(usage) <= bound
     # The shared prefix slots were not rewritten: served from the cache once more, every
     # prompt still gives its original output.

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from servers import Server
 from vase_sglang import AttentionParams, EvictionConfig
+from vase_sglang.pool_ring import slots_per_request
 from vase_sglang.serving.hf_reference import ReferenceDecoder
 from vase_sglang.serving.tiny_model import build_tiny_qwen3
 
@@ -65,8 +66,14 @@ def test_query_ring_reserved_in_the_dtype_it_is_allocated_with(tiny_model):
         server.wait_idle_checked()
         log = server.output()
     assert out["meta_info"]["kv_evicted_tokens"] > 0
-    reserved = re.search(r"VaSE query ring: reserving [\d.]+ MiB \((\d+) bytes of (\S+)\)", log)
-    allocated = re.search(r"query ring [\d.]+ MiB = (\d+) bytes of ([\w.]+)", log)
+    # Beside the --max-total-tokens pool (vase_sglang/pool_ring.py): the slots reserved are
+    # the storage allocated, of bf16 queries over bf16 K/V (2 query heads a KV head: 2 cells a
+    # window position).
+    reserved = re.search(r"VaSE query ring beside the --max-total-tokens pool: reserving "
+                         r"[\d.]+ MiB \((\d+) slots", log)
+    allocated = re.search(r"query ring beside the pool: (\d+) slots a request of (\d+) in its "
+                          r"own storage whose policy reads queries, ([\w.]+)", log)
     assert reserved and allocated, log[-3000:]
-    assert allocated.group(2) == "torch.bfloat16"
-    assert reserved.groups() == allocated.groups()
+    assert allocated.group(3) == "torch.bfloat16"
+    assert reserved.group(1) == allocated.group(2)
+    assert int(allocated.group(1)) == slots_per_request(WINDOW, 4, 32, torch.bfloat16, 2, 2)

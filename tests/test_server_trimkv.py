@@ -22,7 +22,7 @@ from vase_sglang.serving.hf_reference import ReferenceDecoder
 BUDGET, WINDOW = PAGED["budget"], PAGED["window"]
 assert BUDGET % PAGE == 0 and WINDOW % PAGE == 0
 COPY = {"budget": 40}  # keep 24: the newest window is copied, not moved by pages
-HYBRID = {"value_slots": 6}  # VaSE + learned retention
+HYBRID = {"value_slots": 8}  # VaSE + learned retention (on the server's grid: window / 4)
 TOL = 1e-4  # fp32 on both sides, as tests/test_server_eviction.py
 N_FAITHFUL = 200
 torch.set_num_threads(1)
