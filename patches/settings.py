@@ -25,14 +25,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from vase_sglang import POLICIES, POLICY_NAMES, EvictionConfig
+from vase_sglang import POLICIES, POLICY_NAMES, EvictionConfig, policy_names
 from vase_sglang.config import MAX_TOKENS, check_int
+
+# The policies that score from retention gates, as the registry states them (needs_retention):
+# listed in --kv-evict-policy's help with the flag they need.
+_GATED = [f"{name} (needs --kv-evict-retention-gates)"
+          for name in policy_names() if POLICIES[name].needs_retention]
 
 # flag suffix -> (EvictionConfig field, type, help)
 FLAGS = {
-    "policy": ("policy", str, f"KV eviction policy during decode: {', '.join(POLICY_NAMES)}, "
-               "trimkv (needs --kv-evict-retention-gates). Unset or 'full' keeps the whole "
-               "cache (stock SGLang)."),
+    "policy": ("policy", str, "KV eviction policy during decode: "
+               + ", ".join([*POLICY_NAMES, *_GATED])
+               + ". Unset or 'full' keeps the whole cache (stock SGLang)."),
     "budget": ("budget", int, "Tokens kept per layer and KV head after an eviction, including "
                "the recent window (VaSE's T), counted in the request's private cache: the "
                "generated tokens with the radix cache on (the prompt is shared and never "
