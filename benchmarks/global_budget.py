@@ -1,7 +1,8 @@
-"""Global vs per-head retention budgets, measured on the transformers reference (issue 15).
+"""Global vs per-head budgets, measured on the transformers reference (issues 15 and 52).
 
     python benchmarks/global_budget.py --model-path M --gates G.safetensors \\
-        --records results/accuracy --n 40 --budget 64 --window 16 --out results/global_budget
+        --records results/accuracy --n 40 --budget 64 --window 16 --out results/global_budget \\
+        [--policies trimkv,vase-attnv --scopes head,layer,global]
 
 TRIM-KV's global follow-up ("Make Each Token Count", arXiv 2605.09649) lets the tokens of all
 layers and KV heads compete for one budget. SGLang's pool cannot free memory that way (one slot
@@ -10,17 +11,26 @@ buy, here, where unequal heads are cheap: every token stays in the transformers 
 per-(layer, KV head) mask hides the evicted ones from attention.
 
 Rows of one batch share the forced tokens (the full cache's greedy output from the accuracy
-harness' records) and differ only in what they hide:
-  full        nothing: the teacher-forced full cache, the KL reference
-  per-head    trimkv as served: at each eviction every (layer, KV head) keeps its K = T - R
-              largest log β · age among its candidates (the newest R are not candidates)
-  global@f    the same total, L · H · K, chosen as the largest scores over all (layer, head)
-              together, each head keeping at least f of its own (f = 0: no floor)
+harness' records) and differ only in what they hide. Per policy, three scopes of one budget:
+  full                 nothing: the teacher-forced full cache, the KL reference
+  <policy> per-head    the policy as served: at each eviction every (layer, KV head) keeps
+                       K = T - R of its candidates (the newest R are not candidates)
+  <policy> layer       each layer keeps H · K, its KV heads competing (equal per-layer totals)
+  <policy> global      L · H · K over all (layer, head) together
+  (", floor f": each head first keeps its f best; trimkv only, f = 0 when not named)
+trimkv ranks by log β · age (deterministic top-k). vase-attnv per-head is the served policy
+(`select_tokens` on each head's candidates: Range(v) slots, then sampling ∝ window attention
+with softmax over the candidates). Its layer and global rows make the scores comparable across
+heads as AdaKV does: the window queries' softmax runs over every key they see (prompt,
+candidates, window), so a head that attends elsewhere offers less mass; each head keeps its
+N_v value slots (and sinks), and the rest of the scope's budget is one Gumbel-top-k draw
+(sampling without replacement ∝ score) over the scope's candidates together.
 Evictions happen at the served schedule (the private cache reaches T + R, then every R tokens),
 so every row holds the same number of tokens at every step: the same memory. Between two
 evictions the R new tokens are processed in one forward (causal within it), which is exactly
-what R single-token steps compute. `per-head` equals `ReferenceDecoder` with the same gates
-(tests/test_global_budget.py), so the comparison is the served policy against its global twin.
+what R single-token steps compute. Each per-head row equals `ReferenceDecoder` with the same
+policy (gates, request key; tests/test_global_budget.py), so the comparison is the served
+policy against its global twins. The draws of problem i are keyed as request i.
 
 Metrics per token after the first eviction, against the full row: KL(full || row) (exact, whole
 vocabulary), NLL excess of the forced token, top-1 agreement; 95% bootstrap intervals over
@@ -33,21 +43,29 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import accuracy_stats as st  # noqa: E402
+from vase_sglang.config import EvictionConfig  # noqa: E402
+from vase_sglang.policies import Draws, select_tokens, top_indices  # noqa: E402
+from vase_sglang.serving.hf_reference import attention_params  # noqa: E402
 
 MASKED_ATTENTION = "vase_masked_heads"
 
 
 class _Masks:
-    """What the masked attention reads: alive[layer] bool [B, H_kv, capacity] (None: plain causal)."""
+    """What the masked attention reads: alive[layer] bool [B, H_kv, capacity] (None: plain
+    causal), and where it leaves the last `window` queries of each layer's latest forward."""
 
     alive: list[torch.Tensor] | None = None
+    queries: dict | None = None  # layer -> [B, H_q, window, D], post-RoPE
+    window: int = 0
 
 
 _MASKS = _Masks()
@@ -57,6 +75,8 @@ def masked_attention(module, query, key, value, attention_mask, scaling, dropout
     """Causal attention over the whole cache in which a hidden key of a (row, KV head) gets no
     weight. Physical cache index = true position: nothing is ever removed from the cache."""
     q_len, kv_len = query.shape[2], key.shape[2]
+    if _MASKS.queries is not None and q_len >= _MASKS.window:
+        _MASKS.queries[module.layer_idx] = query[:, :, q_len - _MASKS.window:].detach()
     groups = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(groups, dim=1).float()
     v = value.repeat_interleave(groups, dim=1).float()
@@ -98,68 +118,119 @@ def schedule(steps: int, budget: int, window: int) -> list[list[int]]:
     return groups
 
 
+SCOPES = {"head": "per-head", "layer": "layer", "global": "global"}
+
+
 def keep_mask(scores: torch.Tensor, keep: int, mode: str, floor: int = 0) -> torch.Tensor:
-    """scores [L, H, n] (-inf: not a candidate) -> bool [L, H, n], the kept candidates.
-    per-head: the `keep` largest of each (layer, head). global: the L·H·keep largest of all,
-    after each head's `floor` largest (floor >= keep gives per-head)."""
-    cand = torch.isfinite(scores)
+    """scores [L, H, n] (-inf: not a candidate, +inf: kept whatever) -> bool [L, H, n], the kept
+    candidates. per-head: the `keep` largest of each (layer, head). layer: the H·keep largest of
+    each layer's heads together. global: the L·H·keep largest of all. In the last two, each head
+    first keeps its `floor` largest (floor >= keep gives per-head)."""
+    if mode == "layer":
+        return torch.cat([keep_mask(scores[i:i + 1], keep, "global", floor)
+                          for i in range(scores.shape[0])])
+    cand = torch.isfinite(scores) | (scores == float("inf"))
     L, H, n = scores.shape
     if mode == "per-head":
-        idx = scores.topk(keep, dim=-1).indices
+        idx = top_indices(scores, keep)
         kept = torch.zeros_like(cand).scatter_(-1, idx, True)
         return kept & cand
+    if mode != "global":
+        raise ValueError(f"mode: per-head, layer or global, got {mode!r}")
     f = min(floor, keep)
     forced = torch.zeros_like(cand)
     if f > 0:
-        forced.scatter_(-1, scores.topk(f, dim=-1).indices, True)
+        forced.scatter_(-1, top_indices(scores, f), True)
         forced &= cand
     bonus = scores.masked_fill(forced, float("inf"))
     total = min(L * H * keep, int(cand.sum()))
-    flat = bonus.flatten().topk(total).indices
+    flat = top_indices(bonus.flatten(), total)
     kept = torch.zeros(L * H * n, dtype=torch.bool, device=scores.device)
     kept[flat] = True
     return kept.view(L, H, n) & cand
 
 
-class MaskedRetentionRun:
-    """Teacher-forced trimkv on the transformers reference, one batch row per eviction mode."""
+@dataclass(frozen=True)
+class Row:
+    """One batch row: a policy (or "full") at a budget scope."""
 
-    def __init__(self, model, gates, *, budget: int, window: int, sinks: int = 4):
-        from vase_sglang.gates import RetentionGates, load_gates
+    policy: str
+    scope: str = "per-head"  # per-head, layer or global
+    floor: int = 0
 
-        if not isinstance(gates, RetentionGates):
-            gates = load_gates(gates, model.config)
-        self.model, self.gates = model.eval(), gates
-        self.budget, self.window, self.sinks = budget, window, sinks
+    @property
+    def name(self) -> str:
+        if self.policy == "full":
+            return "full"
+        return f"{self.policy} {self.scope}" + (f", floor {self.floor}" if self.floor else "")
+
+    @classmethod
+    def of(cls, mode) -> "Row":
+        """A Row, or the trimkv-only form (scope, floor) of the first version."""
+        if isinstance(mode, Row):
+            return mode
+        scope, floor = mode
+        return cls("full") if scope == "full" else cls("trimkv", scope, floor)
+
+
+class MaskedBudgetRun:
+    """Teacher-forced eviction on the transformers reference, one batch row per (policy, scope).
+    `gates` are needed for trimkv rows only."""
+
+    def __init__(self, model, gates=None, *, budget: int, window: int, sinks: int = 4,
+                 seed: int = 0):
+        self.model = model.eval()
+        self.gates = None
+        if gates is not None:
+            from vase_sglang.gates import RetentionGates, load_gates
+
+            self.gates = gates if isinstance(gates, RetentionGates) else load_gates(gates, model.config)
+        self.budget, self.window, self.sinks, self.seed = budget, window, sinks, seed
+        cfg = model.config
+        self.layers = cfg.num_hidden_layers
+        self.kv_heads = cfg.num_key_value_heads
+        self.attention = attention_params(model)
         install(model)
 
+    def config(self, policy: str) -> EvictionConfig:
+        return EvictionConfig(policy=policy, budget=self.budget, window=self.window,
+                              sinks=self.sinks, seed=self.seed)
+
     @torch.no_grad()
-    def run(self, prompt_ids: list[int], forced_ids: list[int], modes: list[tuple[str, int]]):
-        """modes: (name, floor) per row, name in full, per-head, global. Returns per row the
+    def run(self, prompt_ids: list[int], forced_ids: list[int], modes, request_key: int = 0):
+        """modes: a Row per batch row (or (scope, floor) for trimkv). Returns per row the
         log-softmax of each step's next-token distribution [steps, V] (float32) and, per
-        eviction, the kept counts per (layer, head)."""
+        eviction, the kept older tokens per (layer, head) of each row (None for full)."""
+        from contextlib import nullcontext
+
         from transformers import DynamicCache
 
         from vase_sglang.gates import recording_log_beta
 
+        rows = [Row.of(m) for m in modes]
+        if any(r.policy == "trimkv" for r in rows) and self.gates is None:
+            raise ValueError("trimkv rows need gates")
         P, steps = len(prompt_ids), len(forced_ids)
-        B, L, H = len(modes), self.gates.layers, self.gates.kv_heads
+        B, L, H = len(rows), self.layers, self.kv_heads
         cap = P + steps
-        keep = self.budget - self.window
-        sinks = max(0, self.sinks - P)  # the protected prompt holds the sinks (as served)
         alive = [torch.zeros(B, H, cap, dtype=torch.bool) for _ in range(L)]
-        log_beta = [torch.zeros(B, H, cap) for _ in range(L)]
+        log_beta = [torch.zeros(B, H, cap) for _ in range(L)] if self.gates is not None else None
         sink: dict = {}
         cache = DynamicCache()
         out = torch.empty(B, steps, self.model.config.vocab_size)
         counts = []
-        _MASKS.alive = alive
+        _MASKS.alive, _MASKS.queries, _MASKS.window = alive, {}, self.window
+        retention = (recording_log_beta(self.model, self.gates, sink) if self.gates is not None
+                     else nullcontext())
+        rounds = 0
         try:
-            with recording_log_beta(self.model, self.gates, sink):
+            with retention:
                 for gi, group in enumerate(schedule(steps, self.budget, self.window)):
                     if gi >= 2:
-                        counts.append(self._evict(alive, log_beta, modes, P, P + group[0] - 1,
-                                                  keep, sinks))
+                        state = _State(cache, alive, log_beta, _MASKS.queries, P,
+                                       P + group[0] - 1, request_key, rounds)
+                        counts.append(self._evict(state, rows))
+                        rounds += 1
                     ids = list(prompt_ids) if group == [0] else [forced_ids[s - 1] for s in group]
                     start = 0 if group == [0] else P + group[0] - 1
                     pos = torch.arange(start, start + len(ids))
@@ -170,39 +241,155 @@ class MaskedRetentionRun:
                                         past_key_values=cache, cache_position=pos,
                                         use_cache=True,
                                         logits_to_keep=1 if group == [0] else 0).logits
-                    for layer in range(L):
-                        log_beta[layer][:, :, pos] = sink[layer].transpose(1, 2)
-                    rows = logits[:, -1:] if group == [0] else logits
-                    out[:, group[0]: group[0] + rows.shape[1]] = torch.log_softmax(rows.float(), -1)
+                    if log_beta is not None:
+                        for layer in range(L):
+                            log_beta[layer][:, :, pos] = sink[layer].transpose(1, 2)
+                    out_rows = logits[:, -1:] if group == [0] else logits
+                    out[:, group[0]: group[0] + out_rows.shape[1]] = torch.log_softmax(
+                        out_rows.float(), -1)
         finally:
-            _MASKS.alive = None
+            _MASKS.alive, _MASKS.queries = None, None
         return out, counts
 
-    def _evict(self, alive, log_beta, modes, P, now, keep, sinks):
+    def _evict(self, state: "_State", rows: list[Row]):
         """Cut every non-full row back to the budget before the token at position `now`."""
-        L = len(alive)
+        L, H = self.layers, self.kv_heads
+        keep = self.budget - self.window
+        P, now = state.P, state.now
         lo, hi = P, now - self.window  # candidates: private, older than the window
-        age = (now - torch.arange(lo, hi)).float()
+        sinks = max(0, self.sinks - P)  # the protected prompt holds the sinks (as served)
         kept_counts = []
-        for b, (mode, floor) in enumerate(modes):
-            if mode == "full":
+        for b, row in enumerate(rows):
+            if row.policy == "full":
                 kept_counts.append(None)
                 continue
-            cand = torch.stack([alive[layer][b, :, lo:hi] for layer in range(L)])  # [L, H, n]
-            scores = torch.stack([log_beta[layer][b, :, lo:hi] for layer in range(L)]) * age
-            scores[..., :sinks] = float("inf")  # sinks: always kept, counted in K
-            scores = scores.masked_fill(~cand, float("-inf"))
-            kept = keep_mask(scores, keep, mode, floor)
-            before = sum(int(a[b, :, P:now].sum()) for a in alive)
+            cand = torch.stack([state.alive[layer][b, :, lo:hi] for layer in range(L)])  # [L, H, n]
+            if row.policy == "trimkv":
+                age = (now - torch.arange(lo, hi)).float()
+                scores = torch.stack([state.log_beta[layer][b, :, lo:hi] for layer in range(L)]) * age
+                scores[..., :sinks] = float("inf")  # sinks: always kept, counted in K
+                scores = scores.masked_fill(~cand, float("-inf"))
+                kept = keep_mask(scores, keep, row.scope, row.floor)
+            elif row.scope == "per-head":
+                kept = self._served_per_head(state, b, row.policy, cand, lo, sinks)
+            else:
+                kept = self._pooled(state, b, row, cand, lo, sinks, keep)
+            before = sum(int(a[b, :, P:now].sum()) for a in state.alive)
             for layer in range(L):
-                alive[layer][b, :, lo:hi] = kept[layer]
-            after = sum(int(a[b, :, P:now].sum()) for a in alive)
-            # the same memory in every mode: L · H · budget private tokens after the cut
-            if after != L * cand.shape[1] * self.budget:
-                raise AssertionError(f"{mode}: {after} private tokens kept (from {before}), "
-                                     f"expected {L * cand.shape[1] * self.budget}")
+                state.alive[layer][b, :, lo:hi] = kept[layer]
+            after = sum(int(a[b, :, P:now].sum()) for a in state.alive)
+            # the same memory in every row: L · H · budget private tokens after the cut
+            if after != L * H * self.budget:
+                raise AssertionError(f"{row.name}: {after} private tokens kept (from {before}), "
+                                     f"expected {L * H * self.budget}")
             kept_counts.append(kept.sum(-1))
         return kept_counts
+
+    def _compact(self, cand: torch.Tensor):
+        """Each (layer, head)'s candidates in position order, padded: positions [L, H, m]
+        (offsets from lo; pads point at 0) and valid [L, H, m]."""
+        n_of = cand.sum(-1)
+        m = int(n_of.max())
+        order = torch.sort((~cand).to(torch.int8), dim=-1, stable=True).indices[..., :m]
+        valid = torch.arange(m)[None, None, :] < n_of[..., None]
+        return order.masked_fill(~valid, 0), valid
+
+    def _gather(self, state, b, positions, lo, name):
+        """[L, H, m, D] keys or values of row b at candidate offsets `positions`."""
+        rows = []
+        for layer, lay in enumerate(state.cache.layers):
+            full = getattr(lay, name)[b]  # [H, cached, D]
+            idx = (positions[layer] + lo)[..., None].expand(-1, -1, full.shape[-1])
+            rows.append(torch.gather(full, 1, idx))
+        return torch.stack(rows)
+
+    def _served_per_head(self, state, b, policy, cand, lo, sinks):
+        """The served policy on each head's own candidates (equal counts per head)."""
+        positions, valid = self._compact(cand)
+        if not bool(valid.all()):
+            raise AssertionError(f"{policy} per-head: heads hold unequal candidate counts")
+        keys = self._gather(state, b, positions, lo, "keys")
+        values = self._gather(state, b, positions, lo, "values")
+        queries = torch.stack([state.queries[layer][b] for layer in range(self.layers)])
+        keep = select_tokens(self.config(policy), keys, values, queries,
+                             request=state.request_key, layer=torch.arange(self.layers),
+                             round=state.rounds, sinks=sinks, attention=self.attention)
+        kept = torch.zeros_like(cand)
+        kept.scatter_(-1, positions.gather(-1, keep), True)
+        return kept
+
+    def _pooled(self, state, b, row, cand, lo, sinks, keep):
+        """vase-attnv over a layer's or all heads: AdaKV-normalised window attention, each
+        head's sinks and value slots forced, one Gumbel-top-k draw over the scope."""
+        if row.policy != "vase-attnv":
+            raise ValueError(f"{row.name}: pooled scopes are built for trimkv and vase-attnv")
+        cfg = self.config(row.policy)
+        positions, valid = self._compact(cand)
+        L, H, m = positions.shape
+        score = torch.zeros(L, H, m)
+        for layer in range(L):
+            score[layer] = self._normalised_scores(state, b, layer, cfg, lo)[
+                torch.arange(H)[:, None], positions[layer]]
+        score = score.masked_fill(~valid, 0.0)
+        if cfg.pool_kernel > 1:  # SnapKV's smoothing, along each head's own candidates
+            score = F.avg_pool1d(score.reshape(-1, 1, m), cfg.pool_kernel, stride=1,
+                                 padding=cfg.pool_kernel // 2).reshape(L, H, m)
+        values = self._gather(state, b, positions, lo, "values").float()
+        spread = (values.amax(-1) - values.amin(-1)).masked_fill(~valid, float("-inf"))
+        forced = torch.zeros_like(valid)
+        forced[..., :sinks] = True
+        spread = spread.masked_fill(forced, float("-inf"))
+        n_value = min(cfg.n_value_slots, m)
+        if n_value:
+            forced.scatter_(-1, top_indices(spread, n_value), True)
+        forced &= valid
+        draws = Draws.make(cfg.seed, (L,), "cpu", request=state.request_key,
+                           layer=torch.arange(L), round=state.rounds)
+        rank = score.clamp_min(1e-30).log() + draws.gumbel((H, m))
+        rank = rank.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+        chosen = keep_mask(rank, keep, row.scope, 0)
+        # pads point at offset 0 unchosen: add, so they cannot overwrite a chosen candidate 0
+        hits = torch.zeros(cand.shape, dtype=torch.int32).scatter_add_(-1, positions,
+                                                                      chosen.to(torch.int32))
+        return hits > 0
+
+    def _normalised_scores(self, state, b, layer, cfg, lo):
+        """[H, now]: the mean over the window's queries (and each KV head's query group) of
+        the attention each alive key gets, softmax over every key the query sees (AdaKV)."""
+        now = state.now
+        keys = state.cache.layers[layer].keys[b, :, :now].float()  # [H, now, D]
+        q = state.queries[layer][b].float()  # [H_q, W, D]
+        h_q, w, d = q.shape
+        H = keys.shape[0]
+        q = q.reshape(H, h_q // H * w, d)
+        qk = torch.matmul(q, keys.transpose(-1, -2))  # [H, G·W, now]
+        scaling = self.attention.scaling if self.attention.scaling is not None else d ** -0.5
+        logits = qk * scaling
+        if self.attention.softcap:
+            logits = self.attention.softcap * torch.tanh(logits / self.attention.softcap)
+        logits = logits / cfg.temperature
+        qpos = torch.arange(now - w, now).repeat(h_q // H)  # query row r of group g: window r
+        allowed = torch.arange(now)[None, :] <= qpos[:, None]  # [G·W, now], causal
+        allowed = allowed[None] & state.alive[layer][b, :, None, :now]
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        return probs.mean(dim=1)  # [H, now]
+
+
+MaskedRetentionRun = MaskedBudgetRun  # the first version's name (trimkv rows only)
+
+
+@dataclass
+class _State:
+    """One eviction of one batch: the cache, the masks and who it is for."""
+
+    cache: object
+    alive: list
+    log_beta: list | None
+    queries: dict
+    P: int
+    now: int
+    request_key: int
+    rounds: int
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -235,18 +422,52 @@ def load_forced(records: Path, n: int, task: str, seed: int, tok) -> list[dict]:
     return out
 
 
+def _policy_of(name: str) -> str:
+    return name.split(" ")[0]
+
+
+def _per_problem_sums(per_problem: list[dict], name: str, start: int) -> list[dict]:
+    out = []
+    for r in per_problem:
+        x = r["modes"][name]
+        out.append({"kl": sum(x["kl"][start:]),
+                    "nll_excess": sum(x["nll"][start:]) - sum(x["nll_full"][start:]),
+                    "top1_agree": sum(x["top1_agree"][start:]),
+                    "count": len(x["kl"][start:])})
+    return out
+
+
+def gain_share(head: list[dict], layer: list[dict], glob: list[dict], iters: int,
+               seed: int = 0) -> dict:
+    """How much of the global scope's KL gain over per-head the layer scope keeps:
+    (KL_head − KL_layer) / (KL_head − KL_global), pooled over tokens, with a percentile
+    bootstrap over problems (the decision rule of issue 52: ≥ 0.8 → a within-layer layout)."""
+    import numpy as np
+
+    kl = {k: np.array([p["kl"] for p in v], dtype=float)
+          for k, v in (("head", head), ("layer", layer), ("global", glob))}
+    counts = np.array([p["count"] for p in head], dtype=float)
+
+    def share(idx):
+        c = counts[idx].sum()
+        h, la, g = (kl[k][idx].sum() / c for k in ("head", "layer", "global"))
+        return (h - la) / (h - g) if h != g else float("nan")
+
+    point = share(np.arange(len(counts)))
+    idx = np.random.default_rng(seed).integers(0, len(counts), size=(iters, len(counts)))
+    boots = np.array([share(i) for i in idx])
+    boots = boots[np.isfinite(boots)]
+    lo, hi = (np.percentile(boots, [2.5, 97.5]).tolist() if len(boots) else [float("nan")] * 2)
+    return {"share": float(point), "boot95": [lo, hi]}
+
+
 def summarize(per_problem: list[dict], modes: list[str], start: int, boot_iters: int) -> dict:
-    """Pooled means over the tokens after the first eviction, bootstrap over problems."""
-    summary = {"modes": {}, "pairs": {}}
+    """Pooled means over the tokens after the first eviction, bootstrap over problems; each
+    row paired with its policy's per-head row; the layer scope's share of the global gain."""
+    summary = {"modes": {}, "pairs": {}, "gain_share": {}}
     sums = {}
     for m in modes:
-        per = []
-        for r in per_problem:
-            x = r["modes"][m]
-            per.append({"kl": sum(x["kl"][start:]),
-                        "nll_excess": sum(x["nll"][start:]) - sum(x["nll_full"][start:]),
-                        "top1_agree": sum(x["top1_agree"][start:]),
-                        "count": len(x["kl"][start:])})
+        per = _per_problem_sums(per_problem, m, start)
         sums[m] = per
         counts = [p["count"] for p in per]
         s = {"n": len(per), "tokens": sum(counts)}
@@ -256,23 +477,29 @@ def summarize(per_problem: list[dict], modes: list[str], start: int, boot_iters:
             s[metric + "_boot95"] = [lo, hi]
         summary["modes"][m] = s
     for m in modes:
-        if m == "per-head":
+        base = f"{_policy_of(m)} per-head"
+        if m == base or base not in sums:
             continue
         counts = [p["count"] for p in sums[m]]
         row = {}
         for metric in ("kl", "nll_excess", "top1_agree"):
             d, lo, hi, p = st.paired_cluster_bootstrap(
-                [x[metric] for x in sums[m]], [x[metric] for x in sums["per-head"]], counts,
+                [x[metric] for x in sums[m]], [x[metric] for x in sums[base]], counts,
                 boot_iters)
             row[metric] = {"diff": d, "boot95": [lo, hi], "p": p,
                            "significant": bool(lo > 0 or hi < 0)}
-        summary["pairs"][f"{m} - per-head"] = row
+        summary["pairs"][f"{m} - {base}"] = row
+    for policy in dict.fromkeys(_policy_of(m) for m in modes):
+        names = [f"{policy} {s}" for s in ("per-head", "layer", "global")]
+        if all(n in sums for n in names):
+            summary["gain_share"][policy] = gain_share(*(sums[n] for n in names),
+                                                       iters=min(boot_iters, 2000))
     return summary
 
 
 def markdown(summary: dict, cfg: dict) -> str:
     lines = [f"Budget T = {cfg['budget']}, window R = {cfg['window']}, {cfg['n']} problems, "
-             f"gates {cfg['gates']}.", "",
+             f"gates {cfg['gates']} (sha256 {cfg.get('gates_sha256') or '–'}).", "",
              "| budget | tokens | KL(full‖·) [95%] | NLL excess [95%] | top-1 agreement [95%] | "
              "per-head kept: min / median / max |", "|---" * 6 + "|"]
     for m, s in summary["modes"].items():
@@ -289,6 +516,11 @@ def markdown(summary: dict, cfg: dict) -> str:
                  for k in ("kl", "nll_excess", "top1_agree")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("\n\\* the 95% interval excludes 0")
+    if summary.get("gain_share"):
+        lines += ["", "| policy | layer scope's share of the global KL gain [95%] |", "|---|---|"]
+        for policy, g in summary["gain_share"].items():
+            lines.append(f"| {policy} | {g['share']:.2f} [{g['boot95'][0]:.2f}, "
+                         f"{g['boot95'][1]:.2f}] |")
     return "\n".join(lines) + "\n"
 
 
@@ -308,7 +540,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.bar(modes, vals, yerr=err, capsize=4, color="#4c72b0")
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", rotation=20)
-    fig.suptitle("trimkv: one budget per (layer, KV head) vs one global budget, same memory")
+    fig.suptitle("one budget per (layer, KV head), per layer, or global: same memory")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -317,7 +549,12 @@ def plot(summary: dict, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
-    ap.add_argument("--gates", required=True, help="retention gates file of this model")
+    ap.add_argument("--gates", default=None,
+                    help="retention gates file of this model (needed for trimkv rows)")
+    ap.add_argument("--policies", default="trimkv",
+                    help="comma-separated: trimkv, vase-attnv (default: trimkv)")
+    ap.add_argument("--scopes", default="head,layer,global",
+                    help="comma-separated budget scopes per policy: head, layer, global")
     ap.add_argument("--records", required=True,
                     help="accuracy harness output folder (records.jsonl or records.jsonl.gz)")
     ap.add_argument("--out", default="results/global_budget")
@@ -327,8 +564,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--floors", default=None,
-                    help="global rows: per-head floors, the candidates each head keeps before "
-                         "the global ranking (default: 0 and K/4, K = budget - window)")
+                    help="trimkv's global rows: per-head floors, the candidates each head keeps "
+                         "before the global ranking (default: 0 and K/4, K = budget - window)")
+    ap.add_argument("--eviction-seed", type=int, default=0,
+                    help="vase-attnv's draws: seed; problem i is request i")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--boot-iters", type=int, default=10000)
     a = ap.parse_args(argv)
@@ -341,12 +580,32 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(a.model_path)
     model = AutoModelForCausalLM.from_pretrained(a.model_path, dtype=torch.float32)
-    runner = MaskedRetentionRun(model, a.gates, budget=a.budget, window=a.window)
+    policies = [x for x in a.policies.split(",") if x]
+    scopes = [x for x in a.scopes.split(",") if x]
+    bad = [x for x in policies if x not in ("trimkv", "vase-attnv")] + [
+        x for x in scopes if x not in SCOPES]
+    if bad or not policies or not scopes:
+        ap.error(f"--policies trimkv,vase-attnv and --scopes head,layer,global; got {bad}")
+    if "trimkv" in policies and not a.gates:
+        ap.error("--gates: trimkv rows need a gates file")
+    gates = a.gates if "trimkv" in policies else None
+    runner = MaskedBudgetRun(model, gates, budget=a.budget, window=a.window,
+                             seed=a.eviction_seed)
     keep = a.budget - a.window
     floors = ([0, keep // 4] if a.floors is None else
               [int(x) for x in a.floors.split(",") if x])
-    modes = [("full", 0), ("per-head", 0)] + [("global", f) for f in floors]
-    names = ["full", "per-head"] + [f"global, floor {f}" for f in floors]
+    modes = [Row("full")]
+    for policy in policies:
+        for scope in scopes:
+            if scope == "global" and policy == "trimkv":
+                modes += [Row(policy, "global", f) for f in floors]
+            else:
+                modes.append(Row(policy, SCOPES[scope]))
+    names = [m.name for m in modes]
+    if gates:
+        import hashlib
+
+        a.gates_sha256 = hashlib.sha256(Path(gates).read_bytes()).hexdigest()
     problems = load_forced(Path(a.records), a.n, a.task, a.seed, tok)
     records = out / "records.jsonl"
     done = {}
@@ -359,7 +618,8 @@ def main(argv=None) -> int:
         for prob in tqdm(problems, desc="global vs per-head", unit="problem"):
             if prob["pid"] in done:
                 continue
-            logp, counts = runner.run(prob["prompt"], prob["forced"], modes)
+            logp, counts = runner.run(prob["prompt"], prob["forced"], modes,
+                                      request_key=problems.index(prob))
             row = {"pid": prob["pid"], "tokens": len(prob["forced"]), "modes": {}, "spread": {}}
             for b, name in enumerate(names[1:], start=1):
                 row["modes"][name] = {k: [round(x, 6) for x in v] for k, v in

@@ -1,6 +1,7 @@
-"""benchmarks/global_budget.py: the masked-cache emulation of per-head and global retention
-budgets. Its per-head row must be the served trimkv (= ReferenceDecoder with the same gates),
-its global row must hold the same memory and differ, and a floor of K must give per-head."""
+"""benchmarks/global_budget.py: the masked-cache emulation of per-head, per-layer and global
+budgets. Its per-head rows must be the served policies (= ReferenceDecoder with the same gates
+and draws), its layer and global rows must hold the same memory and differ, and a floor of K
+must give per-head."""
 
 from __future__ import annotations
 
@@ -33,18 +34,21 @@ def case(tiny_model_fp32):
     forced = torch.randint(0, vocab, (70,), generator=gen).tolist()
     run = gb.MaskedRetentionRun(model, gates, budget=BUDGET, window=WINDOW)
     keep = BUDGET - WINDOW
-    modes = [("full", 0), ("per-head", 0), ("global", 0), ("global", keep)]
+    modes = [("full", 0), ("per-head", 0), ("global", 0), ("global", keep),
+             gb.Row("trimkv", "layer"), gb.Row("vase-attnv", "per-head"),
+             gb.Row("vase-attnv", "layer"), gb.Row("vase-attnv", "global")]
     logp, counts = run.run(prompt, forced, modes)
     picked = logp.gather(2, torch.tensor(forced)[None, :, None].expand(len(modes), -1, 1))[..., 0]
     return {"path": tiny_model_fp32, "gates": gates, "prompt": prompt, "forced": forced,
             "picked": picked, "counts": counts, "logp": logp}
 
 
-def _reference(case, policy):
+def _reference(case, policy, request_key=0):
     cfg = EvictionConfig(policy=policy, budget=BUDGET, window=WINDOW)
     dec = ReferenceDecoder.from_pretrained(case["path"], cfg,
                                            gates=case["gates"] if policy == "trimkv" else None)
-    return torch.tensor(dec.run(case["prompt"], forced_ids=case["forced"])["logprobs"])
+    out = dec.run(case["prompt"], forced_ids=case["forced"], request_key=request_key)
+    return torch.tensor(out["logprobs"])
 
 
 def test_schedule_is_the_served_one():
@@ -67,11 +71,58 @@ def test_per_head_row_is_the_reference_trimkv(case):
     assert (ref - full)[BUDGET + WINDOW:].abs().max() > 1e-3
 
 
+def test_per_head_row_is_the_reference_vase_attnv(case):
+    """The served vase-attnv (Range(v) slots, sampling ∝ window attention), same draws."""
+    ref = _reference(case, "vase-attnv")
+    assert (case["picked"][5] - ref).abs().max() < 1e-4
+    assert (ref - case["picked"][0])[BUDGET + WINDOW:].abs().max() > 1e-3
+    # the draws matter: another request key draws other tokens
+    other = _reference(case, "vase-attnv", request_key=1)
+    assert (other - ref)[BUDGET + WINDOW:].abs().max() > 1e-4
+
+
+def test_layer_and_global_scopes_same_memory(case):
+    """Layer rows keep H·K per layer, unequally over its heads; global rows keep L·H·K; the
+    pooled vase-attnv rows keep each head's value slots."""
+    keep = BUDGET - WINDOW
+    n_value = EvictionConfig(policy="vase-attnv", budget=BUDGET, window=WINDOW).n_value_slots
+    assert n_value > 0
+    unequal = {4: False, 6: False, 7: False}
+    for per_eviction in case["counts"]:
+        for b in (4, 6):  # layer scopes
+            c = per_eviction[b]
+            assert (c.sum(-1) == c.shape[1] * keep).all()
+            unequal[b] |= bool((c != keep).any())
+        c = per_eviction[7]
+        assert int(c.sum()) == c.numel() * keep
+        unequal[7] |= bool((c != keep).any())
+        assert (per_eviction[6] >= n_value).all() and (c >= n_value).all()
+        assert (per_eviction[5] == keep).all()
+    assert all(unequal.values())
+    for b in (4, 6, 7):
+        assert (case["picked"][b] - case["picked"][1 if b == 4 else 5]).abs().max() > 1e-3
+
+
+def test_keep_mask_layer_scope():
+    scores = torch.tensor([[[5.0, 4.0, 3.0], [1.0, 0.5, 0.2]],
+                           [[0.1, 0.2, 0.3], [9.0, 8.0, float("-inf")]]])  # [2, 2, 3]
+    assert gb.keep_mask(scores, 1, "layer").tolist() == [
+        [[True, True, False], [False, False, False]],
+        [[False, False, False], [True, True, False]]]
+    # +inf is kept whatever (forced), within the layer's total
+    forced = scores.clone()
+    forced[0, 1, 2] = float("inf")
+    assert gb.keep_mask(forced, 1, "layer")[0].tolist() == [[True, False, False],
+                                                            [False, False, True]]
+    with pytest.raises(ValueError, match="mode"):
+        gb.keep_mask(scores, 1, "cluster")
+
+
 def test_global_budget_same_memory_different_heads(case):
     keep = BUDGET - WINDOW
     assert len(case["counts"]) >= 10
     for per_eviction in case["counts"]:
-        per_head, glob, floored = per_eviction[1:]
+        per_head, glob, floored = per_eviction[1:4]
         assert (per_head == keep).all()
         # the same total (also asserted inside every eviction), spread unequally
         assert int(glob.sum()) == int(per_head.sum())
@@ -114,14 +165,19 @@ def test_cli_on_harness_records(tiny_model_fp32, trimkv_gates_file, tmp_path):
             str(WINDOW), "--threads", "1", "--boot-iters", "100"]
     assert gb.main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert list(summary["modes"]) == ["per-head", "global, floor 0", "global, floor 3"]
+    assert list(summary["modes"]) == ["trimkv per-head", "trimkv layer", "trimkv global",
+                                      "trimkv global, floor 3"]
     for s in summary["modes"].values():
         assert s["n"] == 2 and s["tokens"] == 2 * (40 - BUDGET - WINDOW)
         assert s["kl_boot95"][0] <= s["kl"] <= s["kl_boot95"][1] and s["kl"] > 0
-    assert summary["head_spread"]["per-head"] == {"min": 12.0, "median": 12.0, "max": 12.0}
-    assert set(summary["pairs"]) == {"global, floor 0 - per-head", "global, floor 3 - per-head"}
+    assert summary["head_spread"]["trimkv per-head"] == {"min": 12.0, "median": 12.0,
+                                                         "max": 12.0}
+    assert set(summary["pairs"]) == {f"trimkv {m} - trimkv per-head"
+                                     for m in ("layer", "global", "global, floor 3")}
+    assert set(summary["gain_share"]) == {"trimkv"}
+    assert len(summary["config"]["gates_sha256"]) == 64
     assert (out / "global_budget.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| per-head |" in (out / "summary.md").read_text()
+    assert "| trimkv per-head |" in (out / "summary.md").read_text()
     before = (out / "records.jsonl").read_text()
     assert gb.main(args) == 0  # resumed: nothing recomputed
     assert (out / "records.jsonl").read_text() == before
