@@ -90,7 +90,8 @@ SERVER_FLAGS = {
            "this model: the gate runs for every token and any request may ask for "
            "policy trimkv. Required by --kv-evict-policy trimkv.",
     MAX_BUDGET: "Largest budget a request may ask for (custom_params.kv_evict.budget). Default "
-                f"{MAX_BUDGET_FACTOR} x --kv-evict-budget: what the default step workspace (sized for 64 requests at --kv-evict-budget) "
+                f"{MAX_BUDGET_FACTOR} x --kv-evict-budget: what the default step workspace "
+                "(sized for 64 requests at --kv-evict-budget) "
                 "holds at once for one request; a larger value grows the workspace to hold "
                 "one request at it.",
     MIN_WINDOW: "Smallest window a request may ask for (eviction runs every `window` decode "
