@@ -1,0 +1,153 @@
+"""vase_sglang/cells.py: unequal heads packed into equal slots. A request simulated through
+many evictions at each scope: its cells always hold exactly what a cache that never moves a
+token and masks the dropped ones would show (same kept sets, same K/V, same attention output),
+in K older slots; the packing is capture-safe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_capture_safety import capture_hazards
+from vase_sglang.cells import CellMap, Moves, apply_moves, attend, pack
+
+L, H, G, D, K, R, P = 3, 2, 2, 8, 6, 3, 5
+
+
+def select(scores: torch.Tensor, alive: torch.Tensor, scope: str) -> torch.Tensor:
+    """alive [L, H, n] candidates; keep K per head / H·K per layer / L·H·K in all."""
+    s = scores.masked_fill(~alive, float("-inf"))
+    if scope == "head":
+        idx = s.topk(K, dim=-1).indices
+        return torch.zeros_like(alive).scatter_(-1, idx, True) & alive
+    if scope == "layer":
+        flat = s.reshape(L, -1)
+        idx = flat.topk(H * K, dim=-1).indices
+        return torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True).view(L, H, -1) & alive
+    idx = s.flatten().topk(L * H * K).indices
+    return torch.zeros(s.numel(), dtype=torch.bool).index_fill_(0, idx, True).view_as(alive) & alive
+
+
+def simulate(scope: str, rounds: int = 12, seed: int = 0):
+    """Yield, after each eviction, (cells, cell_k, cell_v, alive, keys, values, plain
+    positions, now): the packed state and the masked truth."""
+    gen = torch.Generator().manual_seed(seed)
+    total = P + K + 2 * R + rounds * R
+    keys = torch.randn(L, H, total, D, generator=gen)
+    values = torch.randn(L, H, total, D, generator=gen)
+    scores = torch.rand(L, H, total, generator=gen)  # a fixed worth per (layer, head, token)
+    alive = torch.zeros(L, H, total, dtype=torch.bool)
+    now = P + K + 2 * R  # the request's first eviction: private = T + R = K + 2R
+    alive[..., :now] = True
+    older = torch.arange(P, P + K)
+    cells = CellMap.plain(older, L, H, "global" if scope == "head" else scope)
+    cell_k = keys[:, :, older].permute(0, 2, 1, 3).clone()  # [L, K, H, D]
+    cell_v = values[:, :, older].permute(0, 2, 1, 3).clone()
+    for _ in range(rounds):
+        leaving = torch.arange(now - 2 * R, now - R)
+        cand = alive.clone()
+        cand[..., :P] = False
+        cand[..., now - R:] = False
+        kept = select(scores, cand, scope)
+        alive[..., P:now - R] = kept[..., P:now - R]
+        # the same selection on the cells: a cell stays iff its owner keeps its position
+        owner_l, owner_h = cells.owner // H, cells.owner % H
+        keep_cells = alive[owner_l, owner_h, cells.position]
+        keep_leaving = alive[:, :, leaving].permute(0, 2, 1)  # [L, R, H]
+        cells, moves = pack(cells, leaving, keep_cells, keep_leaving)
+        cell_k = apply_moves(cell_k, keys[:, :, leaving].permute(0, 2, 1, 3), moves)
+        cell_v = apply_moves(cell_v, values[:, :, leaving].permute(0, 2, 1, 3), moves)
+        now += R
+        alive[..., now - R:now] = True
+        plain = torch.cat([torch.arange(P), torch.arange(now - 2 * R, now)])
+        yield cells, cell_k, cell_v, alive, keys, values, plain, now
+
+
+@pytest.mark.parametrize("scope", ["head", "layer", "global"])
+def test_cells_hold_what_the_mask_shows(scope):
+    unequal = False
+    for cells, cell_k, cell_v, alive, keys, values, plain, now in simulate(scope):
+        assert cells.owner.shape == (L, K, H)  # K slots, whatever the scope
+        counts = cells.counts()
+        assert int(counts.sum()) == L * H * K
+        unequal |= bool((counts != K).any())
+        if scope == "layer":
+            assert (cells.owner // H == torch.arange(L)[:, None, None]).all()
+            assert (counts.sum(-1) == H * K).all()
+        if scope == "head":
+            assert (counts == K).all()
+        owner_l, owner_h = cells.owner // H, cells.owner % H
+        # every cell holds its owner's token at its position, K and V
+        assert torch.equal(cell_k, keys[owner_l, owner_h, cells.position])
+        assert torch.equal(cell_v, values[owner_l, owner_h, cells.position])
+        for layer in range(L):
+            for h in range(H):
+                mine = cells.position[cells.owner == layer * H + h]
+                older = alive[layer, h, P:now - 2 * R].nonzero().flatten() + P
+                assert sorted(mine.tolist()) == older.tolist()
+        # attention over plain tokens + own cells == masked attention over the whole cache
+        query = torch.randn(H * G, D, generator=torch.Generator().manual_seed(now))
+        for layer in range(L):
+            got = attend(query, keys[layer][:, plain], values[layer][:, plain], cell_k, cell_v,
+                         cells, layer, scaling=D ** -0.5)
+            for h in range(H):
+                k = keys[layer, h, :now][alive[layer, h, :now]]
+                v = values[layer, h, :now][alive[layer, h, :now]]
+                q = query[h * G:(h + 1) * G]
+                want = torch.softmax(q @ k.T * D ** -0.5, -1) @ v
+                torch.testing.assert_close(got[h * G:(h + 1) * G], want, rtol=1e-5, atol=1e-5)
+    assert unequal == (scope != "head")
+
+
+def test_segments_list_each_heads_cells_in_position_order():
+    cells = list(simulate("global", rounds=5))[-1][0]
+    order, offsets = cells.segments()
+    assert offsets[-1] == L * K * H and torch.equal(offsets[1:] - offsets[:-1],
+                                                    cells.counts().flatten())
+    for lh in range(L * H):
+        seg = order[offsets[lh]:offsets[lh + 1]]
+        assert (cells.owner.flatten()[seg] == lh).all()
+        pos = cells.position.flatten()[seg]
+        assert torch.equal(pos, pos.sort().values)
+
+
+def test_pack_refuses_a_selection_that_misses_the_budget():
+    older = torch.arange(P, P + K)
+    cells = CellMap.plain(older, L, H, "layer")
+    leaving = torch.arange(P + K, P + K + R)
+    keep_cells = torch.ones(L, K, H, dtype=torch.bool)
+    keep_cells[0, 0, 0] = False  # one hole in layer 0 ...
+    keep_leaving = torch.zeros(L, R, H, dtype=torch.bool)
+    keep_leaving[1, 0, 0] = True  # ... filled from layer 1: fine globally, not per layer
+    with pytest.raises(ValueError, match="layer scope"):
+        pack(cells, leaving, keep_cells, keep_leaving)
+    glob = CellMap.plain(older, L, H, "global")
+    new, moves = pack(glob, leaving, keep_cells, keep_leaving)
+    assert int(new.owner[0, 0, 0]) == 1 * H + 0 and int(new.position[0, 0, 0]) == P + K
+    assert int(moves.valid.sum()) == 1 and int(moves.dst[1, 0, 0]) == 0
+    keep_leaving[1, 0, 0] = False
+    with pytest.raises(ValueError, match="global scope"):
+        pack(glob, leaving, keep_cells, keep_leaving)
+    with pytest.raises(ValueError, match="scope"):
+        CellMap.plain(older, L, H, "head")
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_pack_is_capturable(scope):
+    """Without its count check, the packing and the K/V copy are static-shaped device ops."""
+    older = torch.arange(P, P + K)
+    cells = CellMap.plain(older, L, H, scope)
+
+    def body(owner, position, leaving, keep_cells, keep_leaving, storage, leaving_kv):
+        new, moves = pack(CellMap(owner, position, scope), leaving, keep_cells, keep_leaving,
+                          check=False)
+        apply_moves(storage, leaving_kv, moves)
+        new.segments()
+
+    args = (cells.owner, cells.position, torch.arange(R), torch.ones(L, K, H, dtype=torch.bool),
+            torch.zeros(L, R, H, dtype=torch.bool), torch.zeros(L, K, H, D),
+            torch.zeros(L, R, H, D))
+    assert capture_hazards(body, *args) == []
+    # negative control: the check reads a device value on the host
+    assert capture_hazards(lambda *a: pack(CellMap(a[0], a[1], scope), *a[2:5]), *args)
+    assert isinstance(Moves(torch.zeros(1), torch.zeros(1)), Moves)
