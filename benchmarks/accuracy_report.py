@@ -308,8 +308,8 @@ def plot(summary: dict, out: Path) -> None:
         for s in next(iter(curves.values())):  # budget labels on the first panel
             axes[0].annotate(f"T={s['budget']}", (s["compression"], s["kl_after_first_eviction"]),
                              fontsize=7, textcoords="offset points", xytext=(4, 4))
-        fig.suptitle(f"budget curve (teacher-forced, R = T/4, n={min(s['n'] for ss in curves.values() for s in ss)} problems)",
-                     fontsize=10)
+        n_min = min(s['n'] for ss in curves.values() for s in ss)
+        fig.suptitle(f"budget curve (teacher-forced, R = T/4, n={n_min} problems)", fontsize=10)
         fig.tight_layout()
         fig.savefig(out / "budget_curve.png", dpi=110)
         plt.close(fig)

@@ -18,7 +18,8 @@ accuracy with a Wilson interval, paired per problem against full and against fix
 rate (difference with a paired bootstrap interval, exact McNemar p, same answer, identical
 output), and the effective budget: per request the smallest budget its cache ran at
 (`meta_info.kv_min_budget`; a request never cut ran at its whole private cache, its generated
-tokens), and what it held at the end (generated tokens - tokens evicted per layer and head). The radix cache is flushed before each run, so no run reuses another's prefills.
+tokens), and what it held at the end (generated tokens - tokens evicted per layer and head).
+The radix cache is flushed before each run, so no run reuses another's prefills.
 
 The `tf` command adds the accuracy harness' teacher-forced KL(full || vase-attnv) with the same
 window at fixed budgets (--tf-budgets): what a request held at a budget throughout costs. An
@@ -426,7 +427,8 @@ def _fmt(x, spec=".1f") -> str:
 def markdown(summary: dict) -> str:
     lines = ["| rate (req/s) | arm | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | "
              "running mean / peak | retractions | evictions: scheduled / decode / admission | "
-             "effective budget: mean smallest / mean at the end (cut %) | accuracy [95% Wilson] | vs full: Δ [95%], McNemar p | "
+             "effective budget: mean smallest / mean at the end (cut %) | accuracy [95% Wilson] | "
+             "vs full: Δ [95%], McNemar p | "
              "vs fixed: Δ [95%], McNemar p |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary["runs"]:
@@ -449,7 +451,8 @@ def markdown(summary: dict) -> str:
             f"{_fmt(s['itl_p50'] * 1e3 if s['itl_p50'] is not None else None, '.0f')} / "
             f"{_fmt(s['itl_p99'] * 1e3 if s['itl_p99'] is not None else None, '.0f')} | "
             f"{s['mean_running']:.1f} / {s['peak_running']} | {s['retractions']} | {ev} | "
-            f"{s['mean_effective_budget']:.0f} / {s['mean_final_cache']:.0f} ({s['cut_share']:.0%}) | {acc_s} | {vs('full')} | "
+            f"{s['mean_effective_budget']:.0f} / {s['mean_final_cache']:.0f} "
+            f"({s['cut_share']:.0%}) | {acc_s} | {vs('full')} | "
             f"{vs('fixed')} |")
     tf = summary.get("teacher_forced") or {}
     if tf:

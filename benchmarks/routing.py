@@ -189,7 +189,8 @@ def plot(rows, path: Path) -> None:
 
 
 def table(rows) -> str:
-    lines = ["| routing | prefix hit rate | output tok/s | tokens evicted | requests per worker | peak running per worker |",
+    lines = ["| routing | prefix hit rate | output tok/s | tokens evicted | requests per worker "
+             "| peak running per worker |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['routing']} | {r['prefix_hit_rate']:.1%} | {r['output_tok_per_s']:.1f} | "

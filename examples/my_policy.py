@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from vase_sglang import Policy, ops, register_policy
 from vase_sglang.stream_select import window_attention_streamed
 

@@ -97,10 +97,11 @@ def test_decode_pressure_without_radix_cache(radix_off_server):
 
 
 def test_a_waiting_request_is_made_room_for(radix_off_server):
-    """Two long elastic requests (900 tokens; the model's context is 1024) fill the 1024-token pool (each grows far past its floor). A
-    short request sent then is admitted within a few steps, by cutting them, instead of
-    waiting for one of them to finish (without admission pressure, decode pressure alone
-    keeps only R tokens per running request free: the request would wait)."""
+    """Two long elastic requests (900 tokens; the model's context is 1024) fill the 1024-token
+    pool (each grows far past its floor). A short request sent then is admitted within a few
+    steps, by cutting them, instead of waiting for one of them to finish (without admission
+    pressure, decode pressure alone keeps only R tokens per running request free: the request
+    would wait)."""
     done = {}
 
     def long_requests():

@@ -235,7 +235,6 @@ def selection_agreement(cfg, keys, values, queries=None, *, attention=None, requ
     within the score tolerance (score_tolerance of the device, carried into log space for
     samplers) of the row's K-th, its own allowance plus the K-th's: a swap the tolerance
     explains. `ok`: agreement >= KEPT_AGREEMENT and no unexplained difference."""
-    import torch
 
     from vase_sglang import select_tokens
     from vase_sglang.policies import POLICIES, AttentionParams, Draws
@@ -345,7 +344,8 @@ def kernel_rows(shapes: Shapes, dtype, device, timed: bool, seed: int = 0) -> li
         rows.append(_compare("window_attention_softcap", dtype, s,
                              window_attention_triton(queries, keys, **capped),
                              window_attention_reference(queries, keys, **capped), exact=False))
-    del keys, values, queries
+    # free the inputs before the compaction row (not `del`: the lambdas above name them)
+    keys = values = queries = None
     rows.append(_compact_row(s, dtype, device, gen, timed))
     return rows
 
@@ -501,7 +501,6 @@ def step_timer(ctx) -> dict:
 def hf_reference(ctx) -> dict:
     if not _installed("transformers"):
         return {"status": "skipped", "reason": "transformers not installed"}
-    import torch
 
     from vase_sglang.config import EvictionConfig
     from vase_sglang.serving.hf_reference import ReferenceDecoder

@@ -5,8 +5,9 @@ teacher-forced fidelity measurements. Semantics mirrored from the plugin:
   - the prompt is the protected prefix (the radix tree owns it) unless protect_prompt=False;
     with KV pages of `page_size` tokens the tree owns whole pages only, so the prompt's partial
     last page is private (a candidate like the generated tokens);
-  - before decoding a token (not right after the prefill), if the private cache holds n + window tokens with n >= budget,
-    the policy keeps budget - window of the n oldest private tokens per (layer, KV head);
+  - before decoding a token (not right after the prefill), if the private cache holds
+    n + window tokens with n >= budget, the policy keeps budget - window of the n oldest
+    private tokens per (layer, KV head);
   - the window queries are the post-RoPE queries of the last `window` processed positions;
   - RoPE positions stay the true positions; draws are keyed by (seed, request key, layer, round)
     and the global KV head (this loop holds every head: offset 0);
