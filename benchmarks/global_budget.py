@@ -441,7 +441,10 @@ def gain_share(head: list[dict], layer: list[dict], glob: list[dict], iters: int
                seed: int = 0) -> dict:
     """How much of the global scope's KL gain over per-head the layer scope keeps:
     (KL_head − KL_layer) / (KL_head − KL_global), pooled over tokens, with a percentile
-    bootstrap over problems (the decision rule of issue 52: ≥ 0.8 → a within-layer layout)."""
+    bootstrap over problems (the decision rule of issue 52: ≥ 0.8 → a within-layer layout).
+    Defined only where the global scope gains (KL_global < KL_head): where sharing the budget
+    hurts, a ratio of two losses says nothing, so `share` is None and `global_gain` (≤ 0) says
+    why."""
     import numpy as np
 
     kl = {k: np.array([p["kl"] for p in v], dtype=float)
@@ -453,12 +456,17 @@ def gain_share(head: list[dict], layer: list[dict], glob: list[dict], iters: int
         h, la, g = (kl[k][idx].sum() / c for k in ("head", "layer", "global"))
         return (h - la) / (h - g) if h != g else float("nan")
 
-    point = share(np.arange(len(counts)))
+    everything = np.arange(len(counts))
+    c = counts.sum()
+    global_gain = float((kl["head"].sum() - kl["global"].sum()) / c)
+    if global_gain <= 0:
+        return {"share": None, "boot95": [None, None], "global_gain": global_gain}
+    point = share(everything)
     idx = np.random.default_rng(seed).integers(0, len(counts), size=(iters, len(counts)))
     boots = np.array([share(i) for i in idx])
     boots = boots[np.isfinite(boots)]
     lo, hi = (np.percentile(boots, [2.5, 97.5]).tolist() if len(boots) else [float("nan")] * 2)
-    return {"share": float(point), "boot95": [lo, hi]}
+    return {"share": float(point), "boot95": [lo, hi], "global_gain": global_gain}
 
 
 def summarize(per_problem: list[dict], modes: list[str], start: int, boot_iters: int) -> dict:
@@ -519,8 +527,12 @@ def markdown(summary: dict, cfg: dict) -> str:
     if summary.get("gain_share"):
         lines += ["", "| policy | layer scope's share of the global KL gain [95%] |", "|---|---|"]
         for policy, g in summary["gain_share"].items():
-            lines.append(f"| {policy} | {g['share']:.2f} [{g['boot95'][0]:.2f}, "
-                         f"{g['boot95'][1]:.2f}] |")
+            if g["share"] is None:
+                lines.append(f"| {policy} | none: the global scope raises KL by "
+                             f"{-g['global_gain']:.4f}, nothing to keep a share of |")
+            else:
+                lines.append(f"| {policy} | {g['share']:.2f} [{g['boot95'][0]:.2f}, "
+                             f"{g['boot95'][1]:.2f}] |")
     return "\n".join(lines) + "\n"
 
 

@@ -181,3 +181,23 @@ def test_cli_on_harness_records(tiny_model_fp32, trimkv_gates_file, tmp_path):
     before = (out / "records.jsonl").read_text()
     assert gb.main(args) == 0  # resumed: nothing recomputed
     assert (out / "records.jsonl").read_text() == before
+
+
+def test_gain_share_is_the_layer_scopes_part_of_a_global_gain_and_none_without_one():
+    """Pooled over tokens: KL per token 0.10 per head, 0.06 layer, 0.05 global → the layer
+    scope keeps 0.8 of the gain; where the global scope raises KL (vase-attnv's shared scopes
+    on the real model) there is no gain to share, and a ratio of two losses must not read as
+    one (it did: 0.99)."""
+    counts = [10, 30, 20]
+
+    def rows(per_token):
+        return [{"kl": per_token * c, "count": c} for c in counts]
+
+    g = gb.gain_share(rows(0.10), rows(0.06), rows(0.05), iters=50)
+    assert g["share"] == pytest.approx(0.8) and g["global_gain"] == pytest.approx(0.05)
+    assert g["boot95"][0] == pytest.approx(0.8) and g["boot95"][1] == pytest.approx(0.8)
+    worse = gb.gain_share(rows(0.09), rows(0.19), rows(0.19), iters=50)
+    assert worse["share"] is None and worse["global_gain"] == pytest.approx(-0.10)
+    md = gb.markdown({"modes": {}, "pairs": {}, "gain_share": {"vase-attnv": worse}},
+                     {"budget": 64, "window": 16, "n": 3, "gates": None})
+    assert "| vase-attnv | none: the global scope raises KL by 0.1000" in md
