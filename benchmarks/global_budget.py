@@ -53,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import accuracy_stats as st  # noqa: E402
 from vase_sglang.config import EvictionConfig  # noqa: E402
-from vase_sglang.policies import Draws, select_tokens, top_indices  # noqa: E402
+from vase_sglang.policies import (  # noqa: E402
+    POLICIES, Draws, Retention, needs_gates, select_tokens, top_indices)
 from vase_sglang.serving.hf_reference import attention_params  # noqa: E402
 
 MASKED_ATTENTION = "vase_masked_heads"
@@ -208,8 +209,9 @@ class MaskedBudgetRun:
         from vase_sglang.gates import recording_log_beta
 
         rows = [Row.of(m) for m in modes]
-        if any(r.policy == "trimkv" for r in rows) and self.gates is None:
-            raise ValueError("trimkv rows need gates")
+        if any(needs_gates(r.policy) for r in rows) and self.gates is None:
+            raise ValueError(f"rows of {[r.policy for r in rows if needs_gates(r.policy)]} "
+                             "score from retention gates: pass gates")
         P, steps = len(prompt_ids), len(forced_ids)
         B, L, H = len(rows), self.layers, self.kv_heads
         cap = P + steps
@@ -264,9 +266,14 @@ class MaskedBudgetRun:
                 kept_counts.append(None)
                 continue
             cand = torch.stack([state.alive[layer][b, :, lo:hi] for layer in range(L)])  # [L, H, n]
-            if row.policy == "trimkv":
+            if needs_gates(row.policy):
+                # the policy's own score of log β and age (trimkv: log β · age), for every
+                # (layer, head) at once
+                log_beta = torch.stack([state.log_beta[layer][b, :, lo:hi] for layer in range(L)])
                 age = (now - torch.arange(lo, hi)).float()
-                scores = torch.stack([state.log_beta[layer][b, :, lo:hi] for layer in range(L)]) * age
+                policy = POLICIES[row.policy](self.config(row.policy),
+                                              retention=Retention(log_beta, age))
+                scores = policy.score_streamed(log_beta, None, None).float().clone()
                 scores[..., :sinks] = float("inf")  # sinks: always kept, counted in K
                 scores = scores.masked_fill(~cand, float("-inf"))
                 kept = keep_mask(scores, keep, row.scope, row.floor)
@@ -598,9 +605,10 @@ def main(argv=None) -> int:
         x for x in scopes if x not in SCOPES]
     if bad or not policies or not scopes:
         ap.error(f"--policies trimkv,vase-attnv and --scopes head,layer,global; got {bad}")
-    if "trimkv" in policies and not a.gates:
-        ap.error("--gates: trimkv rows need a gates file")
-    gates = a.gates if "trimkv" in policies else None
+    gated = [x for x in policies if needs_gates(x)]
+    if gated and not a.gates:
+        ap.error(f"--gates: {', '.join(gated)} rows need a gates file")
+    gates = a.gates if gated else None
     runner = MaskedBudgetRun(model, gates, budget=a.budget, window=a.window,
                              seed=a.eviction_seed)
     keep = a.budget - a.window
@@ -609,7 +617,7 @@ def main(argv=None) -> int:
     modes = [Row("full")]
     for policy in policies:
         for scope in scopes:
-            if scope == "global" and policy == "trimkv":
+            if scope == "global" and needs_gates(policy):  # a floor per head: retention rows
                 modes += [Row(policy, "global", f) for f in floors]
             else:
                 modes.append(Row(policy, SCOPES[scope]))
