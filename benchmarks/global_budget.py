@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import accuracy_stats as st  # noqa: E402
 from vase_sglang.config import EvictionConfig  # noqa: E402
 from vase_sglang.policies import (  # noqa: E402
-    POLICIES, Draws, Retention, needs_gates, select_tokens, top_indices)
+    POLICIES, Draws, Retention, VaseAttnVPolicy, needs_gates, select_tokens, top_indices)
 from vase_sglang.serving.hf_reference import attention_params  # noqa: E402
 
 MASKED_ATTENTION = "vase_masked_heads"
@@ -328,8 +328,9 @@ class MaskedBudgetRun:
     def _pooled(self, state, b, row, cand, lo, sinks, keep):
         """vase-attnv over a layer's or all heads: AdaKV-normalised window attention, each
         head's sinks and value slots forced, one Gumbel-top-k draw over the scope."""
-        if row.policy != "vase-attnv":
-            raise ValueError(f"{row.name}: pooled scopes are built for trimkv and vase-attnv")
+        if POLICIES.get(row.policy) is not VaseAttnVPolicy:  # its score, rebuilt for a scope
+            raise ValueError(f"{row.name}: pooled scopes are built for retention policies "
+                             "(trimkv) and vase-attnv")
         cfg = self.config(row.policy)
         positions, valid = self._compact(cand)
         L, H, m = positions.shape
@@ -601,7 +602,7 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(a.model_path, dtype=torch.float32)
     policies = [x for x in a.policies.split(",") if x]
     scopes = [x for x in a.scopes.split(",") if x]
-    bad = [x for x in policies if x not in ("trimkv", "vase-attnv")] + [
+    bad = [x for x in policies if not (needs_gates(x) or POLICIES.get(x) is VaseAttnVPolicy)] + [
         x for x in scopes if x not in SCOPES]
     if bad or not policies or not scopes:
         ap.error(f"--policies trimkv,vase-attnv and --scopes head,layer,global; got {bad}")

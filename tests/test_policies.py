@@ -336,3 +336,24 @@ def test_exact_ties_go_to_the_older_token_whatever_the_batch_shape(policy):
             forced = POLICIES[policy](cfg).forced(keys, values, 0)[h]
             assert forced.nonzero().flatten().tolist() == sorted(largest)
             assert set(largest) <= set(alone[h].tolist())
+
+
+def test_no_code_outside_the_policy_classes_branches_on_a_policy_name():
+    """What a policy needs lives on its class (needs_queries, needs_retention, value slots):
+    code that compares a policy to a built-in name would leave a policy added with
+    register_policy unserved or mis-benchmarked. "full" (no eviction) is not a policy."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    names = "|".join(re.escape(n) for n in POLICIES)
+    pattern = re.compile(rf"""[=!]=\s*["']({names})["']|["']({names})["']\s*[=!]=""")
+    offenders = []
+    for folder in ("vase_sglang", "patches", "benchmarks", "scripts", "examples"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            if path == repo / "vase_sglang" / "policies.py":
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(repo)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
