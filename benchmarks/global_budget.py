@@ -52,6 +52,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import accuracy_stats as st  # noqa: E402
+from vase_sglang import ops  # noqa: E402
 from vase_sglang.config import EvictionConfig  # noqa: E402
 from vase_sglang.policies import (  # noqa: E402
     POLICIES, Draws, Retention, VaseAttnVPolicy, needs_gates, select_tokens, top_indices)
@@ -342,15 +343,11 @@ class MaskedBudgetRun:
         if cfg.pool_kernel > 1:  # SnapKV's smoothing, along each head's own candidates
             score = F.avg_pool1d(score.reshape(-1, 1, m), cfg.pool_kernel, stride=1,
                                  padding=cfg.pool_kernel // 2).reshape(L, H, m)
-        values = self._gather(state, b, positions, lo, "values").float()
-        spread = (values.amax(-1) - values.amin(-1)).masked_fill(~valid, float("-inf"))
-        forced = torch.zeros_like(valid)
-        forced[..., :sinks] = True
-        spread = spread.masked_fill(forced, float("-inf"))
-        n_value = min(cfg.n_value_slots, m)
-        if n_value:
-            forced.scatter_(-1, top_indices(spread, n_value), True)
-        forced &= valid
+        values = self._gather(state, b, positions, lo, "values")
+        # the served rule for sinks and value slots (Policy.forced), pads never taking a slot
+        forced = VaseAttnVPolicy(cfg)._forced_mask(
+            valid.shape, valid.device, sinks,
+            lambda: ops.value_range(values).masked_fill(~valid, float("-inf"))) & valid
         draws = Draws.make(cfg.seed, (L,), "cpu", request=state.request_key,
                            layer=torch.arange(L), round=state.rounds)
         rank = score.clamp_min(1e-30).log() + draws.gumbel((H, m))
