@@ -121,6 +121,19 @@ class Server(launcher.Launcher):
         self.generate("ping", max_new_tokens=2)
         assert "memory leak" not in self.output(), self.output()[-4000:]
 
+    def used_tokens(self, settle: float = 10.0) -> int:
+        """Pool slots held by requests (SGLang's `num_used_tokens`, summed over workers) once
+        the server is idle. Polled until it reads 0 or `settle` seconds pass: with overlap
+        scheduling the last batch's result (and the finished request's delayed slot) is
+        processed an iteration after its response goes out, so a reading taken right after a
+        response can still see that request's page. A leak stays above 0 and is returned."""
+        deadline = time.monotonic() + settle
+        while True:
+            used = sum(int(x["num_used_tokens"]) for x in self.get("/v1/loads")["loads"])
+            if used == 0 or time.monotonic() > deadline:
+                return used
+            time.sleep(0.2)
+
 
 def run_launch_server_expect_failure(model: str, args, env=None, timeout: float = 120) -> tuple[int, str]:
     """Launch a server that must refuse to start; returns (exit code, combined output)."""

@@ -147,7 +147,7 @@ def test_paged_abort_mid_generation_frees_every_page(paged_server, tokenizer):
                     break
     assert seen > BUDGET + WINDOW
     paged_server.wait_idle_checked()
-    used = sum(int(x["num_used_tokens"]) for x in paged_server.get("/v1/loads")["loads"])
+    used = paged_server.used_tokens()
     assert used == 0
     assert serve_request(paged_server, prompt, 60)[0] == before
 
@@ -264,7 +264,7 @@ def test_paged_admission_early_eviction_and_retraction(tiny_model_fp32, tokenize
             "input_ids": [base + list(range(100, 100 + i)) for i in range(N_FULL + N_CAPPED)],
             "sampling_params": [full] * N_FULL + [capped] * N_CAPPED})
         server.wait_idle_checked()
-        used = sum(int(x["num_used_tokens"]) for x in server.get("/v1/loads")["loads"])
+        used = server.used_tokens()
         log = server.output()
 
     full_out, capped_out = out[:N_FULL], out[N_FULL:]

@@ -125,11 +125,6 @@ def _run(port, r):
     return out
 
 
-def _used_tokens(server) -> int:
-    loads = server.get("/v1/loads")
-    return sum(int(x["num_used_tokens"]) for x in loads["loads"])
-
-
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("size", ["ci", pytest.param("full", marks=pytest.mark.slow)])
 def test_stress_mixed_requests_aborts_retraction(tiny_model_fp32, size):
@@ -146,7 +141,7 @@ def test_stress_mixed_requests_aborts_retraction(tiny_model_fp32, size):
             results = list(pool.map(lambda r: _run(server.port, r), reqs))
         took = time.time() - start
         server.wait_idle_checked()
-        used = _used_tokens(server)
+        used = server.used_tokens()
         shared = [(r, out) for r, out in zip(reqs, results)
                   if r["kind"] == "shared" and out["meta_info"]["num_retractions"] == 0]
         alone = [_post(server.port, dict(_payload(r), rid=r["rid"] + "-alone"))[1]["output_ids"]
