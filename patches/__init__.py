@@ -33,6 +33,8 @@ its processes. Each module here hooks one SGLang subsystem and lists its exact t
                                                                          and on beam search
                 TokenizerManager._validate_one_request                   400 on out-of-vocab ids
   metrics       Scheduler.init_metrics_collector                         Prometheus vase:* metrics
+  shared_scope  TorchNativeAttnBackend.forward_decode                    attention over cells
+                                                                         (shared budget scopes)
   rotary_cpu    RotaryEmbedding.__init__                                 CPU serving without vllm
   distributed_cpu  GroupCoordinator.__init__                             CPU tensor parallel (gloo)
 """
@@ -43,7 +45,7 @@ import logging
 import pkgutil
 
 from . import (distributed_cpu, footprint, memory, metrics, model_runner, output, request_control,
-               rotary_cpu, scheduler, server_args, settings)
+               rotary_cpu, scheduler, server_args, settings, shared_scope)
 from .settings import configure
 
 logger = logging.getLogger("vase_sglang")
@@ -62,7 +64,7 @@ def planned_hooks(cfg) -> list[tuple[str, str, object]]:
         hooks += distributed_cpu.HOOKS
     if cfg is not None and cfg.evicts:
         hooks += (memory.HOOKS + model_runner.HOOKS + scheduler.HOOKS + footprint.HOOKS
-                  + output.SCHEDULER_HOOKS + metrics.HOOKS)
+                  + output.SCHEDULER_HOOKS + metrics.HOOKS + shared_scope.HOOKS)
     return hooks
 
 

@@ -25,10 +25,11 @@ from vase_sglang.config import check_page_size
 from vase_sglang.policies import POLICIES
 
 from .settings import (GRID, MAX_BUDGET, MAX_SETTINGS, MIN_WINDOW, SETTINGS_IDLE_SECONDS,
-                       RequestLimits, current, flag_name, published_page_size)
+                       RequestLimits, current, flag_name, published_page_size,
+                       published_shared_scope_refusal)
 
 KEY = "kv_evict"
-FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed", "mode")
+FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed", "mode", "budget_scope")
 TARGET_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 
 
@@ -90,6 +91,8 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None,
         raise ValueError(f"{KEY}.{err}") from None  # EvictionConfig names the field first
 
     check_limits(changes, cfg, server, limits or RequestLimits.defaults(server))
+    if cfg.shared_budget and (problem := published_shared_scope_refusal()):
+        _fail("budget_scope", f"{cfg.budget_scope!r} cannot be served here: {problem}")
     policy = POLICIES[cfg.policy]
     if policy.needs_retention and not has_gates:
         _fail("policy", f"{cfg.policy!r} needs retention gates, which this server did not "

@@ -56,6 +56,9 @@ class EvictionRuntime:
     # The query ring's dtype (memory.query_ring_dtype), also where there is no ring, so that
     # the step's shapes equal those its workspace was planned with. None: the ring's, or K's.
     query_dtype: torch.dtype | None = None
+    # request-table row -> shared_scope.CellView of each request holding cells (a shared
+    # budget scope): what decode attention reads for it
+    cell_views: dict = field(default_factory=dict)
 
     def __post_init__(self):
         k = self.k_buffers[0]

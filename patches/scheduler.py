@@ -11,7 +11,7 @@ import torch
 
 from vase_sglang.elastic import freed_by_cut
 
-from . import footprint, metrics, runtime, state, step
+from . import footprint, metrics, runtime, shared_scope, state, step
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -189,6 +189,7 @@ def around_release_kv_cache(original, req, tree_cache, *args, checkpoint, **kwar
     The request's query-ring slots go back with its row."""
     if checkpoint and state.compacted(req):
         checkpoint = False
+    shared_scope.forget(req)
     result = original(req, tree_cache, *args, checkpoint=checkpoint, **kwargs)
     rt = runtime.RUNTIME
     if rt is not None:

@@ -6,7 +6,8 @@ ServerArgs cannot carry extra fields to the spawned processes):
 
     VASE_KV_EVICT_POLICY, VASE_KV_EVICT_BUDGET, VASE_KV_EVICT_WINDOW,
     VASE_KV_EVICT_VALUE_SLOTS, VASE_KV_EVICT_SINKS, VASE_KV_EVICT_SEED, VASE_KV_EVICT_MODE,
-    VASE_KV_EVICT_CEILING, VASE_KV_EVICT_WORKSPACE_MB, VASE_KV_EVICT_RETENTION_GATES, VASE_KV_EVICT_MAX_BUDGET,
+    VASE_KV_EVICT_CEILING, VASE_KV_EVICT_BUDGET_SCOPE, VASE_KV_EVICT_WORKSPACE_MB,
+    VASE_KV_EVICT_RETENTION_GATES, VASE_KV_EVICT_MAX_BUDGET,
     VASE_KV_EVICT_MIN_WINDOW, VASE_KV_EVICT_GRID, VASE_KV_EVICT_EXPECTED_PROMPT_LEN
 
 `launch_server --kv-evict-*` flags are sugar that write these variables; Engine users set them
@@ -61,6 +62,13 @@ FLAGS = {
              "(docs/elastic.md). Also per request: custom_params.kv_evict.mode."),
     "ceiling": ("ceiling", int, "Elastic mode: a cache that reaches ceiling + window is cut back "
                 "to the ceiling even without memory pressure. Default: none."),
+    "budget-scope": ("budget_scope", str, "Who shares the older tokens' budget: head (default: "
+                     "every layer and KV head keeps budget - window), layer (a layer's KV heads "
+                     "share their total) or global (all layers and heads share one total; the "
+                     "same slots, heads keep unequal counts; docs/global_budget.md). Shared "
+                     "scopes need a policy whose scores compare across heads (trimkv) and are "
+                     "served on CPU with --page-size 1 and tp 1. Also per request: "
+                     "custom_params.kv_evict.budget_scope."),
     "workspace-mb": ("workspace_mb", int, "MiB reserved at startup for one eviction step "
                      "(gathered K/V and score temporaries; the step is chunked over layers and "
                      "requests to stay inside it). Default: sized for 64 requests of one layer "
@@ -309,6 +317,20 @@ def published_page_size() -> int:
         return get_schedule().page_size or 1
     except ValueError:  # "config namespace 'schedule' not published"
         return 1
+
+
+def published_shared_scope_refusal() -> str | None:
+    """Why this launch cannot serve a shared budget scope (supported.shared_scope_refusal),
+    from the arguments this process published; None where it can or nothing was published."""
+    from sglang.srt.runtime_context import get_server_args
+
+    from .supported import shared_scope_refusal
+
+    try:
+        server_args = get_server_args()
+    except ValueError:
+        return None
+    return shared_scope_refusal(server_args, published_page_size())
 
 
 def load_server_gates(path, hf_config, source=flag_name):

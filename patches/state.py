@@ -32,6 +32,9 @@ class RequestEviction:
     min_budget: int | None = None  # the smallest budget it was cut to (meta_info), None: never
     failed: bool = False  # an eviction step failed on it: never evicted again, being finished
     ring_row: int | None = None  # the request-table row whose query-ring slots it holds
+    # under a shared budget scope: who owns each cell of its K older slots (cells.CellMap;
+    # patches/shared_scope.py); None: the plain layout
+    cells: object = None
 
 
 STATE = "_vase"
@@ -99,6 +102,7 @@ def reset_request(req) -> None:
     st = getattr(req, STATE, None)
     if st is not None:
         st.pos_offset = st.rounds = 0  # `evicted` counts over the request's whole life
+        st.cells = None
 
 
 def request_config(req) -> EvictionConfig | None:

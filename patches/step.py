@@ -45,7 +45,7 @@ from vase_sglang.elastic import Holding, freed_by_cut, water_fill
 from vase_sglang.policies import POLICIES
 from vase_sglang.rows import RowRewrite, freed_slots, rewrite_row
 
-from . import metrics
+from . import metrics, shared_scope
 from .state import (failed, mark_failed, pos_offset, record_eviction, request_config, request_key,
                     state)
 
@@ -226,7 +226,7 @@ class Group(NamedTuple):
     sinks: int
     members: list
     reqs: list
-    plan: StepPlan
+    plan: StepPlan | None  # None: a shared budget scope (one request at a time)
     ids: tuple
     rewrite: RowRewrite
 
@@ -235,8 +235,10 @@ def _prepare_group(rt, key, members, reqs) -> Group | None:
     """Stage 2 for one group, host only: its plan (None: not evicted this time), its ids
     staged, its rewrite checked."""
     cfg, n, sinks = key
-    plan = plan_group(rt, cfg, n, len(reqs))
-    if plan is None:
+    # a shared budget scope evicts one request at a time outside the workspace
+    # (shared_scope.py: its temporaries are one request's candidates' scores)
+    plan = None if cfg.shared_budget else plan_group(rt, cfg, n, len(reqs))
+    if plan is None and not cfg.shared_budget:
         return None
     try:
         ids = _stage(rt, reqs, cfg)
@@ -251,6 +253,8 @@ def _evict_group(rt, batch, group: Group, new_lens) -> int:
     count: nothing is read back). A chunk that fails is rolled back and its requests finished
     with an error (_fail); the chunks before it stay committed."""
     cfg, n = group.cfg, group.n
+    if cfg.shared_budget:
+        return _evict_shared(rt, group, new_lens)
     freed = 0
     for r0 in range(0, len(group.reqs), group.plan.requests):
         part = slice(r0, r0 + group.plan.requests)
@@ -261,16 +265,49 @@ def _evict_group(rt, batch, group: Group, new_lens) -> int:
         except Exception as err:  # noqa: BLE001  contained: this chunk's requests fail
             _fail(rt, reqs, SELECT, err)
             continue
-        dropped = n - k
-        rt.stats.tokens_evicted += dropped * len(reqs)
-        rt.stats.evictions += len(reqs)
-        # -- 6. update: the requests' lengths and state (the batch's lengths in run)
-        for i, req in zip(group.members[part], reqs):
-            req.kv.kv_allocated_len -= dropped
-            req.kv.kv_committed_len -= dropped
-            record_eviction(req, dropped, cfg.budget)
-            new_lens[i] = req.kv.kv_allocated_len
+        _commit(rt, cfg, n, k, group.members[part], reqs, new_lens)
         freed += freed_slots(n, k, cfg.window, rt.page_size) * len(reqs)
+    return freed
+
+
+def _commit(rt, cfg, n, k, members, reqs, new_lens) -> None:
+    """-- 6. update: the requests' lengths and state (the batch's lengths in run)."""
+    dropped = n - k
+    rt.stats.tokens_evicted += dropped * len(reqs)
+    rt.stats.evictions += len(reqs)
+    for i, req in zip(members, reqs):
+        req.kv.kv_allocated_len -= dropped
+        req.kv.kv_committed_len -= dropped
+        record_eviction(req, dropped, cfg.budget)
+        new_lens[i] = req.kv.kv_allocated_len
+
+
+def _evict_shared(rt, group: Group, new_lens) -> int:
+    """A group under a shared budget scope, one request at a time (shared_scope.evict_one):
+    select over the scope and pack into the request's cells, then the row rewrite and free
+    of a per-head step. A request that fails is finished with an error naming the stage."""
+    cfg, n = group.cfg, group.n
+    rewrite = group.rewrite
+    device = rt.req_to_token.device
+    freed = 0
+    for i, req in zip(group.members, group.reqs):
+        try:
+            row_slots, view = shared_scope.evict_one(rt, cfg, n, group.sinks, req)
+        except Exception as err:  # noqa: BLE001  contained: this request fails
+            _fail(rt, [req], COMPACT if isinstance(err, CompactionError) else SELECT, err)
+            continue
+        rows = torch.tensor([req.kv.req_pool_idx], device=device)
+        starts = torch.tensor([req.kv.cache_protected_len], device=device)
+        try:
+            _apply(rt, rewrite, rows, starts, row_slots[None], None)
+        except Exception as err:  # noqa: BLE001
+            cols = starts[:, None] + torch.arange(row_slots.shape[0], device=device)
+            rt.req_to_token[rows[:, None], cols] = row_slots[None].to(rt.req_to_token.dtype)
+            _fail(rt, [req], REWRITE, err)
+            continue
+        rt.cell_views[req.kv.req_pool_idx] = view
+        _commit(rt, cfg, n, cfg.keep, [i], [req], new_lens)
+        freed += rewrite.freed
     return freed
 
 

@@ -170,6 +170,25 @@ ALLOWED = {
 NOT_TESTED = "not tested with eviction"
 
 
+def shared_scope_refusal(server_args, page_size: int) -> str | None:
+    """Why a launch cannot serve --kv-evict-budget-scope layer/global (docs/global_budget.md),
+    None where it can: the cells are read by a CPU attention hook (torch_native), packed with
+    pages of one token, on one rank, in 16/32-bit K/V."""
+    device = getattr(server_args, "device", None)
+    if device not in (None, "cpu"):
+        return (f"--device {device}: shared budget scopes are served on CPU only (torch_native); "
+                "the CUDA attention over cells is not wired into SGLang's backends yet")
+    if page_size != 1:
+        return f"--page-size {page_size}: shared budget scopes are served with pages of 1 only"
+    tp = getattr(server_args, "tp_size", 1) or 1
+    if tp != 1:
+        return f"--tp-size {tp}: shared budget scopes are served on one rank only"
+    dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
+    if dtype.startswith("fp8"):
+        return f"--kv-cache-dtype {dtype}: shared budget scopes are not tested with fp8 K/V"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _field_defaults() -> dict:
     import msgspec

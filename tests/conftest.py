@@ -146,9 +146,11 @@ def _shared_server(name, model, flags, **kwargs):
 
 
 @pytest.fixture(scope="session")
-def snapkv_server(tiny_model_fp32):
+def snapkv_server(tiny_model_fp32, trimkv_gates_file):
     """tiny fp32 Qwen3, snapkv (SNAPKV), a decode log line every step, Prometheus metrics on,
-    and the test-only policies `test-permute` (tests/permute_policy.py) and `test-fault-*`
+    trimkv's gates loaded (so requests may ask for trimkv at pages of one token, and for its
+    shared budget scopes: tests/test_server_shared_scope.py), and the test-only policies
+    `test-permute` (tests/permute_policy.py) and `test-fault-*`
     (tests/fault_policy.py: a step that fails at a chosen stage) loaded, so requests can
     ask for them, and docs/add_policy.md's example `vatp` (examples/my_policy.py). Shared by
     every module that needs these settings; each module runs the idle leak check
@@ -156,7 +158,7 @@ def snapkv_server(tiny_model_fp32):
     # Its query rings are held in the pool (--kv-evict-ring pool), as on a server started
     # without --max-total-tokens; the other shared servers hold them beside their pools.
     flags = ["--dtype", "float32", "--decode-log-interval", "1", "--enable-metrics",
-             "--kv-evict-ring", "pool"]
+             "--kv-evict-ring", "pool", "--kv-evict-retention-gates", str(trimkv_gates_file)]
     for key, value in SNAPKV.items():
         flags += ["--kv-evict-" + key, str(value)]
     tests_dir = os.path.dirname(os.path.abspath(__file__))

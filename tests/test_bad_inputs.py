@@ -65,6 +65,10 @@ LAUNCH_CASES = [
     (POLICY + ["--page-size", "16", "--kv-evict-window", "8"], {},
      "--kv-evict-window=8 does not fit --page-size=16: must be >= the page size (16)"),
     (POLICY + ["--enable-mixed-chunk"], {}, "--enable-mixed-chunk=True is not supported"),
+    (["--kv-evict-policy", "snapkv", "--kv-evict-budget-scope", "global"], {},
+     "--kv-evict-budget-scope: 'global' needs a policy whose scores compare across heads"),
+    (POLICY + ["--kv-evict-budget-scope", "all"], {},
+     "--kv-evict-budget-scope: must be one of head, layer, global, got 'all'"),
     # The allowlist (patches/supported.py): a few real launches; the many flags are checked
     # in-process below.
     (POLICY + ["--enable-streaming-session"], {},
@@ -153,6 +157,20 @@ def startup_error(tiny_model, monkeypatch, capsys):
 def test_bad_setting_is_refused_at_startup_naming_the_flag(startup_error, flags, env, expected):
     message = startup_error(flags, env)
     assert message is not None and expected in message, message
+
+
+def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, trimkv_gates_file):
+    """Shared budget scopes are served at pages of one token on one CPU rank
+    (supported.shared_scope_refusal): other launches stop naming the flag and the reason."""
+    trimkv = ["--kv-evict-policy", "trimkv", "--kv-evict-retention-gates", str(trimkv_gates_file),
+              "--kv-evict-budget-scope", "global", "--kv-evict-window", "16"]
+    assert startup_error(trimkv, {}) is None
+    message = startup_error(trimkv + ["--page-size", "16"], {})
+    assert message is not None and ("--kv-evict-budget-scope=global cannot be served here: "
+                                    "--page-size 16") in message, message
+    message = startup_error(trimkv + ["--kv-evict-mode", "elastic"], {})
+    assert message is not None and "--kv-evict-budget-scope: 'global' is served in fixed mode" \
+        in message, message
 
 
 def test_good_settings_pass_the_startup_checks(startup_error):

@@ -151,3 +151,70 @@ def test_pack_is_capturable(scope):
     # negative control: the check reads a device value on the host
     assert capture_hazards(lambda *a: pack(CellMap(a[0], a[1], scope), *a[2:5]), *args)
     assert isinstance(Moves(torch.zeros(1), torch.zeros(1)), Moves)
+
+
+# -- the served selection: select_shared equals the reference's keep_mask ---------------------
+
+def _reference_keep_mask():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.global_budget import keep_mask
+
+    return keep_mask
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+@pytest.mark.parametrize("floor", [0, 2])
+def test_select_shared_keeps_what_the_reference_keeps_wherever_the_tokens_sit(scope, floor):
+    """The reference ranks [L, H, n] by position; the server holds the same candidates in
+    cells of any (layer, column, head) of the scope. Scores with many exact ties (the
+    order of ties is where a different layout would differ), sinks at +inf, missing
+    candidates at -inf: the same tokens are kept, whatever cell they sit in."""
+    from vase_sglang.cells import select_shared
+
+    keep_mask = _reference_keep_mask()
+    n, keep = K + R, K
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        ref = (torch.randint(0, 4, (L, H, n), generator=gen).float() * -0.5)  # ties
+        ref[..., :1] = float("inf")  # a sink
+        if seed % 2:
+            ref[0, 1, 2:4] = float("-inf")  # missing candidates
+        want = keep_mask(ref, keep, scope, floor)
+        # the same candidates laid out as the server holds them: [L, M = n, H] cells, each
+        # layer's (or all) candidates shuffled over the scope's cells
+        owner = (torch.arange(L)[:, None, None] * H + torch.arange(H)[None, None, :]).expand(L, n, H)
+        pos = torch.arange(n)[None, :, None].expand(L, n, H)
+        flat_score = ref.permute(0, 2, 1).reshape(L, -1)
+        flat_owner, flat_pos = owner.reshape(L, -1), pos.reshape(L, -1)
+        if scope == "global":
+            flat_score, flat_owner, flat_pos = (t.reshape(1, -1) for t in (flat_score, flat_owner, flat_pos))
+        perm = torch.stack([torch.randperm(flat_score.shape[1], generator=gen)
+                            for _ in range(flat_score.shape[0])])
+        s = flat_score.gather(1, perm).reshape(L, n, H)
+        o = flat_owner.gather(1, perm).reshape(L, n, H)
+        p = flat_pos.gather(1, perm).reshape(L, n, H)
+        got = select_shared(s, o, p, keep, scope, floor)
+        got_ref = torch.zeros(L, H, n, dtype=torch.bool)
+        l_of, h_of = o // H, o % H
+        got_ref[l_of[got], h_of[got], p[got]] = True
+        assert torch.equal(got_ref, want), (seed, got_ref.sum(-1), want.sum(-1))
+        candidates = int((ref != float("-inf")).sum())
+        assert int(got.sum()) == min(L * H * keep, candidates) or scope == "layer"
+
+
+def test_select_shared_check_can_fail():
+    """The tie order is the positions': told the opposite order (positions negated), the same
+    tied scores keep other tokens than the reference, and the comparison above sees it."""
+    from vase_sglang.cells import select_shared
+
+    keep_mask = _reference_keep_mask()
+    ref = torch.zeros(1, 2, 4)  # all tied
+    want = keep_mask(ref, 1, "global")  # owner 0's two oldest
+    owner = torch.tensor([0, 1]).view(1, 1, 2).expand(1, 4, 2)
+    pos = torch.arange(4).view(1, 4, 1).expand(1, 4, 2)
+    score = ref.permute(0, 2, 1)
+    assert torch.equal(select_shared(score, owner, pos, 1, "global").permute(0, 2, 1), want)
+    assert not torch.equal(select_shared(score, owner, -pos, 1, "global").permute(0, 2, 1), want)

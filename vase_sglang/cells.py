@@ -182,6 +182,57 @@ def pack(cells: CellMap, leaving: torch.Tensor, keep_cells: torch.Tensor,
             Moves(dst, valid))
 
 
+def select_shared(score: torch.Tensor, owner: torch.Tensor, position: torch.Tensor,
+                  keep: int, scope: str, floor: int = 0) -> torch.Tensor:
+    """Which candidates a shared budget keeps: the selection of the reference's layer and
+    global rows (benchmarks/global_budget.keep_mask), on candidates held in any cell.
+
+    Args:
+        score: [L, M, H] float, each candidate's score (higher = keep; +inf: kept whatever,
+            e.g. sinks; -inf: not a candidate). Candidate (l, m, h) sits in the cell of layer
+            l, column m, KV head h: the K older slots' cells, then the leaving slots'.
+        owner: [L, M, H] int64, the flat owner l' · H + h' of each candidate's token (with
+            scope "layer", l' == l).
+        position: [L, M, H] int64, each candidate's true position (distinct per owner).
+        keep: K, older tokens per (layer, KV head) on average: a layer keeps H · K (scope
+            "layer"), the request L · H · K (scope "global").
+        scope: "layer" or "global".
+        floor: each owner first keeps its `floor` best (at most K).
+
+    Returns:
+        [L, M, H] bool, the kept candidates.
+
+    Ties go as in the reference, which ranks a [L, H, n] tensor of positions flattened: by
+    owner, then position (the older first), within each scope. Static shapes, no host read.
+    """
+    _check_scope(scope)
+    L, M, H = score.shape
+    groups = L if scope == "layer" else 1
+    # the reference's order: by owner, then position (two stable sorts)
+    flat_owner, flat_pos = owner.reshape(groups, -1), position.reshape(groups, -1)
+    by_pos = flat_pos.argsort(dim=-1, stable=True)
+    order = by_pos.gather(-1, flat_owner.gather(-1, by_pos).argsort(dim=-1, stable=True))
+    s = score.reshape(groups, -1).float().gather(-1, order)
+    o = flat_owner.gather(-1, order)
+    valid = s != float("-inf")
+    f = min(floor, keep)
+    if f > 0:
+        # each owner's f best (descending score, ties to the older): rank within its owner
+        desc = s.sort(dim=-1, descending=True, stable=True).indices
+        within = desc.gather(-1, o.gather(-1, desc).argsort(dim=-1, stable=True))
+        owners = o.gather(-1, within)
+        counts = torch.zeros(groups, L * H, dtype=torch.int64, device=s.device)
+        counts.scatter_add_(-1, owners, torch.ones_like(owners))
+        start = counts.cumsum(-1) - counts
+        rank = torch.arange(within.shape[-1], device=s.device) - start.gather(-1, owners)
+        forced = torch.zeros_like(valid).scatter_(-1, within, rank < f) & valid
+        s = s.masked_fill(forced, float("inf"))
+    total = (L * H * keep) // groups
+    chosen = s.sort(dim=-1, descending=True, stable=True).indices[..., :total]
+    kept = torch.zeros_like(valid).scatter_(-1, chosen, True) & valid
+    return torch.zeros_like(kept).scatter_(-1, order, kept).view(L, M, H)
+
+
 def apply_moves(storage: torch.Tensor, leaving: torch.Tensor, moves: Moves) -> torch.Tensor:
     """Copy the kept leaving tokens into their cells: storage [L, K, H, D] (the older slots'
     K or V, cell-indexed), leaving [L, R, H, D] (the leaving slots'). Returns the new

@@ -21,6 +21,10 @@ Vocabulary (kept identical in the SGLang flags `--kv-evict-*`):
                 (never below T) only under memory pressure (docs/elastic.md).
   ceiling       elastic: a cache that reaches ceiling + R is cut back to `ceiling` without
                 pressure, as fixed mode does at T; None = no ceiling.
+  budget_scope  "head": every (layer, KV head) keeps K = T - R older tokens (the paper's);
+                "layer": a layer's KV heads share H·K; "global": all layers and heads share
+                L·H·K (docs/global_budget.md). The same slots either way; shared scopes
+                need a policy whose scores compare across heads (Policy.shares_budget).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 # POLICY_NAMES (the user-facing values of --kv-evict-policy without gates) is derived from the
 # registry in policies.py and read here through the module __getattr__ at the end.
 MODES = ("fixed", "elastic")
+BUDGET_SCOPES = ("head", "layer", "global")
 # Explicit ranges of every integer setting, [low, high] inclusive, checked wherever a value enters
 # (flags, variables, configure(), per-request custom_params): a value outside them is refused
 # with a message naming the field, never carried into the step. Token counts stop at 2^24 (a
@@ -105,6 +110,7 @@ class EvictionConfig:
     workspace_mb: int | None = None  # eviction step workspace (engines); None = default size
     mode: str = "fixed"  # "fixed" or "elastic" (T is a floor, cut under memory pressure only)
     ceiling: int | None = None  # elastic: cut back to it at ceiling + window without pressure
+    budget_scope: str = "head"  # who shares the older tokens' budget: head, layer or global
 
     def __post_init__(self):
         from .policies import POLICIES  # registry: built-ins plus register_policy()
@@ -127,6 +133,25 @@ class EvictionConfig:
             check_int("ceiling", self.ceiling)
             if self.ceiling < self.budget:
                 raise ValueError(f"ceiling: must be >= budget ({self.budget}), got {self.ceiling}")
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise ValueError(f"budget_scope: must be one of {', '.join(BUDGET_SCOPES)}, got "
+                             f"{self.budget_scope!r}")
+        if self.shared_budget and self.policy != "full":
+            policy = _policy_class(self.policy)
+            if not policy.shares_budget:
+                from .policies import POLICIES
+
+                sharing = [n for n, p in POLICIES.items() if p.shares_budget]
+                raise ValueError(
+                    f"budget_scope: {self.budget_scope!r} needs a policy whose scores compare "
+                    f"across heads ({', '.join(sharing) or 'none registered'}); {self.policy!r} "
+                    "is served per head (docs/global_budget.md)")
+            if self.elastic:
+                raise ValueError(f"budget_scope: {self.budget_scope!r} is served in fixed mode "
+                                 "only (elastic cuts are not built for shared budgets)")
+            if self.value_slots:
+                raise ValueError(f"budget_scope: {self.budget_scope!r} is served without value "
+                                 f"slots (got value_slots={self.value_slots})")
         if self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel: must be a positive odd integer, got {self.pool_kernel}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -165,6 +190,11 @@ class EvictionConfig:
         if self.value_slots is None:
             return policy.default_value_slots(self)
         return self.value_slots
+
+    @property
+    def shared_budget(self) -> bool:
+        """Whether heads share the older tokens' budget (budget_scope layer or global)."""
+        return self.budget_scope != "head"
 
     @property
     def evicts(self) -> bool:

@@ -192,6 +192,9 @@ class Policy:
     ascending: ClassVar[bool] = True  # select() returns ascending indices (in-place compaction)
     reserves_value_slots: ClassVar[bool] = False  # cfg.value_slots may force large Range(v)
     value_slots_note: ClassVar[str] = ""  # e.g. ", as the VaSE + retention hybrid"
+    # Its scores rank candidates of different (layer, KV head) against each other, so one
+    # ranking can serve a budget shared by heads (cfg.budget_scope "layer"/"global": issue 52)
+    shares_budget: ClassVar[bool] = False
 
     @classmethod
     def default_value_slots(cls, cfg: EvictionConfig) -> int:
@@ -476,6 +479,9 @@ class TrimKVPolicy(Policy):
 
     needs_retention: ClassVar[bool] = True
     reserves_value_slots: ClassVar[bool] = True  # default 0: plain TRIM-KV
+    # log β · age is the log of the probability the gate gives the token of surviving: one
+    # scale for every head and layer (the global capacity loss trains for it)
+    shares_budget: ClassVar[bool] = True
     value_slots_note: ClassVar[str] = ", as the VaSE + retention hybrid"
 
     def score(self, keys, values, queries, draws):

@@ -1,0 +1,126 @@
+"""Shared budget scopes served (issue 52): trimkv with `budget_scope` "global" and "layer" on a
+real SGLang server (the shared snapkv server: tiny fp32 Qwen3, pages of one token, radix cache
+and strict memory checks on, trimkv's gates loaded), against the transformers reference's
+masked rows (benchmarks/global_budget.py: every token stays, a per-(layer, head) mask hides
+the evicted ones, so heads keep unequal counts where nothing moves).
+
+Served, a request keeps K older slots whose cells hold tokens of any (layer, head): the same
+tokens as the reference's row at every eviction, so the same logprobs, teacher-forced on the
+served tokens. The per-head row is a different cache (checked: the comparison can fail), and
+the slots are those of a per-head budget: the same KV length, nothing leaked."""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from servers import SNAPKV, trimkv_gates
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.global_budget import MaskedBudgetRun, Row  # noqa: E402
+
+BUDGET, WINDOW, SINKS = 24, 8, 4  # on the server's grid (its window 8): K = 16
+N_TOKENS = 120  # 12 evictions
+TOL = 1e-4  # fp32 on both sides, as tests/test_server_trimkv.py
+SCOPES = ("global", "layer", "head")
+torch.set_num_threads(1)
+
+
+def _request(scope):
+    return {"policy": "trimkv", "budget": BUDGET, "window": WINDOW, "sinks": SINKS,
+            "budget_scope": scope}
+
+
+def _serve(server, prompt, scope):
+    out = server.generate(input_ids=prompt, max_new_tokens=N_TOKENS, return_logprob=True,
+                          sampling_params={"ignore_eos": True,
+                                           "custom_params": {"kv_evict": _request(scope)}})
+    meta = out["meta_info"]
+    return out["output_ids"], [x[0] for x in meta["output_token_logprobs"]], meta
+
+
+@pytest.fixture(scope="module")
+def served(snapkv_server, tokenizer):
+    """Every scope in flight at once (decode batches mix cells and plain rows)."""
+    prompt = tokenizer("Global budgets: the tokens of all layers and heads compete")["input_ids"]
+    with ThreadPoolExecutor(len(SCOPES)) as pool:
+        futures = {s: pool.submit(_serve, snapkv_server, prompt, s) for s in SCOPES}
+        out = {s: f.result() for s, f in futures.items()}
+    snapkv_server.wait_idle_checked()
+    return prompt, out, snapkv_server.used_tokens()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_fp32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
+    return MaskedBudgetRun(model, trimkv_gates(model.config), budget=BUDGET, window=WINDOW,
+                           sinks=SINKS, seed=SNAPKV["seed"])
+
+
+def _row_logprobs(reference, prompt, forced, scope):
+    """The reference row's logprob of each forced token: step t predicts forced[t]."""
+    name = {"head": "per-head"}.get(scope, scope)
+    logprobs, _counts = reference.run(prompt, forced, [Row("trimkv", name)])
+    return [float(logprobs[0, t, tok]) for t, tok in enumerate(forced)]
+
+
+def _max_diff(a, b):
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    first = next((i for i, d in enumerate(diffs) if d > TOL), None)
+    print(f"max logprob diff {max(diffs):.3g}, first above {TOL} at token {first}")
+    return max(diffs)
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_served_scope_equals_the_reference_row(served, reference, scope):
+    prompt, out, _used = served
+    ids, logprobs, meta = out[scope]
+    assert len(ids) == N_TOKENS
+    assert meta["kv_evicted_tokens"] > 0
+    assert _max_diff(logprobs, _row_logprobs(reference, prompt, ids, scope)) < TOL
+
+
+def test_global_differs_from_per_head_so_the_comparison_can_fail(served, reference):
+    """The served global request against the per-head row on its own tokens: another cache,
+    another distribution (what the equality above rules out)."""
+    prompt, out, _used = served
+    ids, logprobs, _meta = out["global"]
+    assert _max_diff(logprobs, _row_logprobs(reference, prompt, ids, "head")) > 100 * TOL
+
+
+def test_shared_scopes_hold_the_slots_of_a_per_head_budget(served):
+    """Each scope evicts the same number of tokens per (layer, head) (the same KV length, so
+    the same slots); nothing is held once the requests are done (strict checks silent)."""
+    _prompt, out, used = served
+    evicted = {s: out[s][2]["kv_evicted_tokens"] for s in SCOPES}
+    assert len(set(evicted.values())) == 1, evicted
+    assert used == 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"policy": "snapkv", "budget_scope": "global"}, "needs a policy whose scores compare"),
+    ({"policy": "trimkv", "budget_scope": "everything"}, "must be one of head, layer, global"),
+    ({"policy": "trimkv", "budget_scope": "global", "value_slots": 4}, "without value slots"),
+])
+def test_a_scope_the_request_cannot_have_is_refused_with_400(snapkv_server, bad, message):
+    status, body = snapkv_server.post_status("/generate", {
+        "text": "hello", "sampling_params": {"max_new_tokens": 2,
+                                             "custom_params": {"kv_evict": bad}}})
+    body = str(body)
+    assert status == 400 and "kv_evict.budget_scope" in body and message in body, body
+
+
+def test_a_scope_this_server_cannot_serve_is_refused_with_400(paged_server):
+    """Pages of 16 tokens: cells are packed token by token, not built for pages."""
+    status, body = paged_server.post_status("/generate", {
+        "text": "hello", "sampling_params": {"max_new_tokens": 2, "custom_params": {
+            "kv_evict": {"policy": "trimkv", "budget_scope": "global"}}}})
+    body = str(body)
+    assert status == 400 and "kv_evict.budget_scope: 'global' cannot be served here: " \
+        "--page-size 16" in body, body
