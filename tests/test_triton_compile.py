@@ -26,6 +26,7 @@ KERNELS_OF = {
     "window_attention_triton": {"_window_lse_kernel", "_window_score_kernel"},
     "cur_leverage_triton": {"_cur_leverage_kernel"},
     "compact_kv_triton_": {"_compact_kernel"},
+    "cell_attention_triton": {"_cell_attention_kernel", "_cell_combine_kernel"},
 }
 
 

@@ -141,18 +141,41 @@ def _run_compact(dtype, d):
     compact_kv_triton_(k_bufs, v_bufs, row_slots[:, :n], keep)  # slots: a [B, n] view, as served
 
 
+def _run_cell_attention(dtype, d, **options):
+    from vase_sglang.ops.cell_attention import cell_attention_triton
+
+    # A request's K older slots as L·K·H cells, owned unequally (a random permutation cut into
+    # L·H segments); K odd, so the cell counts take the general specialisation.
+    gen = torch.Generator().manual_seed(0)
+    older = 37
+    cells = LAYERS * older * KV_HEADS
+    slots_per_layer = BATCH * older + 1
+    k_bufs = [torch.zeros(slots_per_layer, KV_HEADS, d, dtype=dtype) for _ in range(LAYERS)]
+    v_bufs = [torch.zeros(slots_per_layer, KV_HEADS, d, dtype=dtype) for _ in range(LAYERS)]
+    q_dtype = torch.bfloat16 if dtype in FP8 else dtype
+    q = torch.randn(BATCH, Q_HEADS, d, generator=gen).to(q_dtype)
+    older_slots = 1 + torch.arange(BATCH * older).view(BATCH, older)
+    order = torch.stack([torch.randperm(cells, generator=gen) for _ in range(BATCH)])
+    cuts = torch.randint(0, cells + 1, (BATCH, LAYERS * KV_HEADS - 1), generator=gen).sort().values
+    offsets = torch.cat([torch.zeros(BATCH, 1, dtype=torch.int64), cuts,
+                         torch.full((BATCH, 1), cells)], 1)
+    cell_attention_triton(q, k_bufs, v_bufs, older_slots, order, offsets, 1, d ** -0.5, **options)
+
+
 WRAPPERS: dict[str, Callable[[torch.dtype, int], None]] = {
     "value_range_triton": _run_value_range,
     "window_attention_triton": _run_window_attention,
     "cur_leverage_triton": _run_cur_leverage,
     "compact_kv_triton_": _run_compact,
+    "cell_attention_triton": _run_cell_attention,
+    "cell_attention_triton+softcap": functools.partial(_run_cell_attention, softcap=30.0),
 }
 if _window_attention_has_softcap():
     WRAPPERS["window_attention_triton+softcap"] = functools.partial(_run_window_attention,
                                                                    softcap=50.0)
 
 
-KERNEL_MODULES = ("compact", "cur_leverage", "value_range", "window_attention")
+KERNEL_MODULES = ("cell_attention", "compact", "cur_leverage", "value_range", "window_attention")
 
 
 def _jit_functions() -> list:
