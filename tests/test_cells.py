@@ -218,3 +218,12 @@ def test_select_shared_check_can_fail():
     score = ref.permute(0, 2, 1)
     assert torch.equal(select_shared(score, owner, pos, 1, "global").permute(0, 2, 1), want)
     assert not torch.equal(select_shared(score, owner, -pos, 1, "global").permute(0, 2, 1), want)
+
+
+def test_segments_skip_empty_cells():
+    """Holes (NO_OWNER, left by an unchecked packing) belong to no head's segment."""
+    owner = torch.tensor([[[-1, 0], [1, -1]]])  # L = 1, K = 2, H = 2
+    cells = CellMap(owner, torch.tensor([[[0, 5], [6, 0]]]), "layer")
+    order, offsets = cells.segments()
+    assert offsets.tolist() == [2, 3, 4]
+    assert order[2:3].tolist() == [1] and order[3:4].tolist() == [2]

@@ -11,8 +11,8 @@ cells, exactly what K slots hold. Cells make that total the memory:
   each cell of those slots: `owner[l, j, h]` = the (layer, KV head) whose token the cell of
   layer l, older slot j, head h holds, and `position[l, j, h]` its true position (RoPE is
   already in the cached key, so a token can sit in any cell). Scope "layer": a cell holds a
-  token of its own layer (any head); scope "global": of any layer (the per-layer buffers must
-  then be views of one tensor, so that a cell is one flat index);
+  token of its own layer (any head); scope "global": of any layer (a reader takes each layer's
+  buffer by its base pointer, as ops/cell_attention.py does, or gathers layer by layer);
 - attention of (layer l, KV head h) reads the prompt and the newest tokens as usual and, for
   the older part, the cells `owner == (l, h)`: from 0 to H·K of them (layer) or L·H·K
   (global) instead of K;
@@ -103,8 +103,9 @@ class CellMap:
         order = key.argsort(stable=True)
         offsets = torch.zeros(self.layers * self.kv_heads + 1, dtype=torch.int64,
                               device=self.owner.device)
+        # empty cells (NO_OWNER, holes of an unchecked packing) sort first: skip them
         offsets[1:] = self.counts().flatten().cumsum(0)
-        return order, offsets
+        return order, offsets + (self.owner < 0).sum()
 
 
 @dataclass(frozen=True)
