@@ -111,6 +111,9 @@ def parse_args(argv=None):
                        help="retention gates (python -m vase_sglang.retention train): the server "
                             "loads them, and greedy and tf gain the arms trimkv and the hybrid "
                             "trimkv with value_slots = budget/4")
+        p.add_argument("--scopes", default="head", type=lambda v: [x for x in v.split(",") if x],
+                       help="comma list of budget scopes of the trimkv arms (head, layer, "
+                            "global; docs/global_budget.md): one greedy and one tf arm each")
 
     r = sub.add_parser("run")
     common(r)

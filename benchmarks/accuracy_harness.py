@@ -49,6 +49,7 @@ class Arm:
     decoding: str = "greedy"  # or "sample"
     kind: str = "gen"  # or "tf" (teacher-forced replay of the full greedy output)
     gates: str = ""  # trimkv: short hash of the retention gates file (records of other gates differ)
+    scope: str = "head"  # budget_scope: head, layer or global (docs/global_budget.md)
 
     @property
     def evicts(self) -> bool:
@@ -61,7 +62,8 @@ class Arm:
             return "full"
         nv = "" if self.value_slots is None else f"/nv{self.value_slots}"
         gates = f"/g{self.gates}" if self.gates else ""
-        return f"{self.policy}@{self.budget}/w{self.window}{nv}{gates}"
+        scope = "" if self.scope == "head" else f"/{self.scope}"
+        return f"{self.policy}@{self.budget}/w{self.window}{nv}{gates}{scope}"
 
     @property
     def name(self) -> str:
@@ -69,7 +71,8 @@ class Arm:
 
     @property
     def label(self) -> str:
-        return self.policy + (f" nv={self.value_slots}" if self.value_slots is not None else "")
+        return (self.policy + (f" nv={self.value_slots}" if self.value_slots is not None else "")
+                + ("" if self.scope == "head" else f" {self.scope}"))
 
     def kv_evict(self):
         if not self.evicts:
@@ -77,6 +80,8 @@ class Arm:
         d = {"policy": self.policy, "budget": self.budget, "window": self.window}
         if self.value_slots is not None:
             d["value_slots"] = self.value_slots
+        if self.scope != "head":
+            d["budget_scope"] = self.scope
         return d
 
     def flags(self) -> list[str]:
@@ -86,6 +91,8 @@ class Arm:
              "--kv-evict-window", str(self.window)]
         if self.value_slots is not None:
             f += ["--kv-evict-value-slots", str(self.value_slots)]
+        if self.scope != "head":
+            f += ["--kv-evict-budget-scope", self.scope]
         return f
 
 
@@ -118,9 +125,9 @@ def gates_id(path) -> str:
 def retention_arms(a, budget: int, window: int, keep=lambda policy: True,
                    hybrid: bool = True) -> list[Arm]:
     """With --retention-gates, per policy that scores from them (trimkv) and `keep`s: the plain
-    policy (TRIM-KV) and, with `hybrid` where it reserves value slots, the VaSE hybrid (the
-    N_v = T/4 largest value ranges forced first, as vase-attnv's default) at this budget;
-    none without gates."""
+    policy (TRIM-KV), at each --scopes budget scope its scores allow (Policy.shares_budget),
+    and, with `hybrid` where it reserves value slots, the VaSE hybrid (the N_v = T/4 largest
+    value ranges forced first, as vase-attnv's default) at this budget; none without gates."""
     from vase_sglang.policies import POLICIES as REGISTRY
 
     if not a.gates_id:
@@ -130,6 +137,9 @@ def retention_arms(a, budget: int, window: int, keep=lambda policy: True,
         if not keep(p):
             continue
         arms.append(Arm(p, budget, window, gates=a.gates_id))
+        if REGISTRY[p].shares_budget:
+            arms += [Arm(p, budget, window, gates=a.gates_id, scope=s)
+                     for s in getattr(a, "scopes", ("head",)) if s != "head"]
         if hybrid and REGISTRY[p].reserves_value_slots:
             arms.append(Arm(p, budget, window, value_slots=budget // 4, gates=a.gates_id))
     return arms
@@ -152,8 +162,8 @@ def stage_arms(stage: str, a) -> list[Arm]:
     if stage == "greedy":
         return main + ablation + learned
     if stage == "tf":
-        return [Arm(x.policy, x.budget, x.window, x.value_slots, kind="tf", gates=x.gates)
-                for x in main + ablation + learned]
+        return [Arm(x.policy, x.budget, x.window, x.value_slots, kind="tf", gates=x.gates,
+                    scope=x.scope) for x in main + ablation + learned]
     if stage == "sweep":
         arms = []
         for b in a.sweep:

@@ -245,7 +245,8 @@ CLIENT_KEYS = ["duration", "completed", "total_output_tokens", "output_throughpu
 
 
 def measure_run(server: BenchServer, args, c: int, evicting: bool, page_size: int = 1,
-                pool: int | None = None) -> dict:
+                pool: int | None = None, budget: int | None = None,
+                window: int | None = None) -> dict:
     """One client run against a running server: the client's figures plus what the server
     logged and exported during it."""
     server.flush_cache()  # same prompts every run: no prefix hits from the last one
@@ -261,8 +262,9 @@ def measure_run(server: BenchServer, args, c: int, evicting: bool, page_size: in
         **{k: result.get(k) for k in CLIENT_KEYS}, **decode_stats(text),
         "prompt_tokens_mean": sum(prompts) / len(prompts),
         "prompt_tokens_min": min(prompts), "prompt_tokens_max": max(prompts),
-        "bound": concurrency_bound(pool or args.max_total_tokens, prompts, args.budget,
-                                   args.window, page_size, ring_slots(server.output())),
+        "bound": concurrency_bound(pool or args.max_total_tokens, prompts,
+                                   budget or args.budget, window or args.window, page_size,
+                                   ring_slots(server.output())),
         "retracted_requests": retracted_requests(text, before, after),
         "eviction_seconds": evict_s,
         "eviction_time_share": None if evict_s is None else evict_s / result["duration"],
@@ -316,7 +318,9 @@ def run_arm(name: str, server_args: list[str], pool: int, args, out_dir: Path,
                        "order": args.order, "machine": machine_facts(threads)}
             row = {"arm": name, "pool": pool * workers, "page_size": page_size,
                    "concurrency": c, "repeat": rep, "gates_sha256": gates, **started,
-                   **measure_run(server, args, c, evicting, page_size, pool * workers)}
+                   **measure_run(server, args, c, evicting, page_size, pool * workers,
+                                 flag_value(server_args, "--kv-evict-budget", args.budget),
+                                 flag_value(server_args, "--kv-evict-window", args.window))}
             rows.append(row)
             if record is not None:
                 record(row)
@@ -650,6 +654,29 @@ def markdown_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def policy_spec(spec: str, args) -> tuple[str, int, int, list[str]]:
+    """A --policies entry: POLICY or POLICY:FLAG=VALUE:... with FLAG a --kv-evict-* suffix
+    (budget, window, budget-scope, ...), e.g. trimkv:budget=64:budget-scope=global. Returns
+    the policy, its budget and window (default --budget / --window) and the other flags."""
+    policy, *options = spec.split(":")
+    budget, window, more = args.budget, args.window, []
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"--policies {spec!r}: expected POLICY:FLAG=VALUE, got {option!r}")
+        if key == "budget":
+            budget = int(value)
+        elif key == "window":
+            window = int(value)
+        else:
+            more += [f"--kv-evict-{key}", value]
+    return policy, budget, window, more
+
+
+def flag_value(server_args: list[str], flag: str, default: int) -> int:
+    return int(server_args[server_args.index(flag) + 1]) if flag in server_args else default
+
+
 def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]:
     """(name, server flags, pool per worker, page size) of every arm, in run order."""
     n = args.max_total_tokens
@@ -664,6 +691,10 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
         from vase_sglang.policies import needs_gates
 
         return gates if needs_gates(policy) else []
+    def evict_flags(spec):
+        policy, budget, window, more = policy_spec(spec, args)
+        return ["--kv-evict-policy", policy, "--kv-evict-budget", str(budget),
+                "--kv-evict-window", str(window), *more, *extra, *gates_for(policy)]
     arms = []
     for page in args.page_size:
         for kv in args.kv_dtypes:
@@ -676,19 +707,12 @@ def build_arms(args, served_bytes: int) -> list[tuple[str, list[str], int, int]]
                 arms.append((f"full@N{sfx}", kv_args, pool, page))
             if "vase" in selected:
                 for p in args.policies:
-                    arms.append((f"{p}@N{sfx}", [*kv_args, "--kv-evict-policy", p,
-                                                 "--kv-evict-budget", str(args.budget),
-                                                 "--kv-evict-window", str(args.window),
-                                                 *extra, *gates_for(p)], pool, page))
+                    arms.append((f"{p}@N{sfx}", [*kv_args, *evict_flags(p)], pool, page))
             if "vase-dp2" in selected:
                 for p in args.policies:
                     # the pool flag is per worker: half each
                     arms.append((f"{p}@N-dp2{sfx}", [*kv_args, "--dp-size", "2",
-                                                      "--kv-evict-policy", p,
-                                                      "--kv-evict-budget", str(args.budget),
-                                                      "--kv-evict-window", str(args.window),
-                                                      *extra, *gates_for(p)], pool // 2,
-                                                     page))
+                                                      *evict_flags(p)], pool // 2, page))
             if "ceiling" in selected:
                 arms.append((f"ceiling{sfx}", kv_args, ceiling_pool, page))
     return arms
@@ -712,7 +736,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="arm: each arm's runs back to back on one server; round: the arms take "
                     "turns, one run each per round (a server per run), so slow drift of the "
                     "machine falls on every arm alike and runs pair up by round")
-    ap.add_argument("--policies", nargs="+", default=["vase-attnv"])
+    ap.add_argument("--policies", nargs="+", default=["vase-attnv"],
+                    help="eviction arms: POLICY, or POLICY:FLAG=VALUE:... with --kv-evict-* "
+                    "suffixes, e.g. trimkv:budget=128 trimkv:budget=64:budget-scope=global "
+                    "(arms at equal quality, different settings)")
     ap.add_argument("--budget", type=int, default=192)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--arms", nargs="+", default=["full", "vase", "ceiling"],
@@ -749,7 +776,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     from vase_sglang.policies import needs_gates
 
-    gated = [p for p in args.policies if needs_gates(p)]
+    try:
+        specs = [policy_spec(p, args) for p in args.policies]
+    except ValueError as err:
+        ap.error(str(err))
+    gated = [p for p, *_ in specs if needs_gates(p)]
     if gated and not args.gates:
         ap.error(f"--policies {gated[0]} needs --gates FILE (retention gates trained for the "
                  "model)")

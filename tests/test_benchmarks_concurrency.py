@@ -390,6 +390,25 @@ def test_arms_at_another_kv_dtype_get_its_flag_and_the_same_bytes():
     assert "--kv-evict-retention-gates" not in arms["full@N fp8_e4m3"][0]
 
 
+def test_policy_specs_give_an_arm_its_own_settings_and_bound():
+    """Arms at equal quality with different settings (issue 52: trimkv per head at T = 128
+    against its global scope at T = 64): each arm is started with its own flags, and its
+    bound counts its own budget."""
+    args = _args(arms=["vase"], policies=["trimkv:budget=128",
+                                          "trimkv:budget=64:budget-scope=global"], gates="/g.pt")
+    arms = {name: flags for name, flags, _pool, _page in cs.build_arms(args, 4)}
+    head, glob = arms["trimkv:budget=128@N"], arms["trimkv:budget=64:budget-scope=global@N"]
+    assert head[head.index("--kv-evict-budget") + 1] == "128"
+    assert "--kv-evict-budget-scope" not in head
+    assert glob[glob.index("--kv-evict-budget") + 1] == "64"
+    assert glob[glob.index("--kv-evict-budget-scope") + 1] == "global"
+    assert glob[glob.index("--kv-evict-retention-gates") + 1] == "/g.pt"
+    assert cs.flag_value(glob, "--kv-evict-budget", args.budget) == 64
+    assert cs.flag_value([], "--kv-evict-budget", args.budget) == args.budget
+    with pytest.raises(ValueError, match="expected POLICY:FLAG=VALUE"):
+        cs.policy_spec("trimkv:budget", args)
+
+
 def test_trimkv_without_gates_is_refused():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "concurrency_scaling.py"),
                            "--policies", "trimkv"], capture_output=True, text=True, timeout=120)
