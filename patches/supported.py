@@ -173,7 +173,7 @@ NOT_TESTED = "not tested with eviction"
 def shared_scope_refusal(server_args, page_size: int) -> str | None:
     """Why a launch cannot serve --kv-evict-budget-scope layer/global (docs/global_budget.md),
     None where it can: the cells are read by a CPU attention hook (torch_native), packed with
-    pages of one token, on one rank, in 16/32-bit K/V."""
+    pages of one token, on one rank and one data-parallel worker, in 16/32-bit K/V."""
     device = getattr(server_args, "device", None)
     if device not in (None, "cpu"):
         return (f"--device {device}: shared budget scopes are served on CPU only (torch_native); "
@@ -183,6 +183,9 @@ def shared_scope_refusal(server_args, page_size: int) -> str | None:
     tp = getattr(server_args, "tp_size", 1) or 1
     if tp != 1:
         return f"--tp-size {tp}: shared budget scopes are served on one rank only"
+    dp = getattr(server_args, "dp_size", 1) or 1
+    if dp != 1:
+        return f"--dp-size {dp}: shared budget scopes are not tested with data parallelism"
     dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
     if dtype.startswith("fp8"):
         return f"--kv-cache-dtype {dtype}: shared budget scopes are not tested with fp8 K/V"

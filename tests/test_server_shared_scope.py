@@ -124,3 +124,33 @@ def test_a_scope_this_server_cannot_serve_is_refused_with_400(paged_server):
     body = str(body)
     assert status == 400 and "kv_evict.budget_scope: 'global' cannot be served here: " \
         "--page-size 16" in body, body
+
+
+def test_abort_of_a_request_holding_cells_frees_its_slots_and_its_cells(snapkv_server, served):
+    """A global request aborted after several evictions: every slot comes back, and the
+    request-table row it held serves the next requests with their own caches (its cells are
+    dropped with the row: a stale cell view would change their outputs)."""
+    import json
+    import urllib.request
+
+    prompt, out, _used = served
+    payload = {"input_ids": prompt, "stream": True, "rid": "abort-cells",
+               "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True,
+                                   "custom_params": {"kv_evict": _request("global")}}}
+    req = urllib.request.Request(snapkv_server.url + "/generate",
+                                 data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    seen = 0
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        for line in stream:
+            if line.startswith(b"data:") and b"[DONE]" not in line:
+                seen = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                if seen > BUDGET + 4 * WINDOW:
+                    snapkv_server.post("/abort_request", {"rid": "abort-cells"})
+                    break
+    assert seen > BUDGET + 4 * WINDOW
+    snapkv_server.wait_idle_checked()
+    assert snapkv_server.used_tokens() == 0
+    again = {s: _serve(snapkv_server, prompt, s)[0] for s in ("head", "global")}
+    assert again == {s: out[s][0] for s in ("head", "global")}
+    snapkv_server.wait_idle_checked()
