@@ -63,14 +63,8 @@ def paired_answers(a: dict, b: dict, pids: list, boot_iters: int) -> dict:
     """Two arms' records on the same problems, paired: accuracy difference a − b with its
     bootstrap interval, the discordant problems and McNemar's p, the share of equal answers,
     and (with `output_ids`) where each pair of outputs first differs (None: identical)."""
-    a_ok = [float(a[p]["correct"]) for p in pids]
-    b_ok = [float(b[p]["correct"]) for p in pids]
-    only_a = sum(int(x > y) for x, y in zip(a_ok, b_ok))
-    only_b = sum(int(y > x) for x, y in zip(a_ok, b_ok))
-    d, lo, hi = st.paired_bootstrap(a_ok, b_ok, iters=boot_iters)
-    return {"n_paired": len(pids), "acc_diff": d, "acc_diff_boot95": [lo, hi],
-            "only_a_right": only_a, "only_b_right": only_b,
-            "mcnemar_p": st.mcnemar_exact(only_a, only_b),
+    return {**st.paired_accuracy([float(a[p]["correct"]) for p in pids],
+                                 [float(b[p]["correct"]) for p in pids], boot_iters),
             "same_answer": st.mean(a[p]["pred"] == b[p]["pred"] for p in pids),
             "divergences": [st.first_divergence(a[p]["output_ids"], b[p]["output_ids"])
                             for p in pids]}

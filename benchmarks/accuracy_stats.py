@@ -106,3 +106,15 @@ def paired_cluster_bootstrap(sums_a: list[float], sums_b: list[float], counts: l
     p = min(1.0, 2 * min((diffs <= 0).mean(), (diffs >= 0).mean()))
     return (float((a.sum() - b.sum()) / c.sum()), float(diffs[int((1 - level) / 2 * k)]),
             float(diffs[min(k - 1, int((1 + level) / 2 * k))]), float(p))
+
+
+def paired_accuracy(a_ok: list[float], b_ok: list[float], iters: int = 10000) -> dict:
+    """Two arms' correctness (1.0 / 0.0) on the same problems, in the same order: the accuracy
+    difference a − b with its paired bootstrap interval, the discordant counts and McNemar's
+    exact p."""
+    only_a = sum(int(x > y) for x, y in zip(a_ok, b_ok, strict=True))
+    only_b = sum(int(y > x) for x, y in zip(a_ok, b_ok, strict=True))
+    d, lo, hi = paired_bootstrap(a_ok, b_ok, iters=iters)
+    return {"n_paired": len(a_ok), "acc_diff": d, "acc_diff_boot95": [lo, hi],
+            "only_a_right": only_a, "only_b_right": only_b,
+            "mcnemar_p": mcnemar_exact(only_a, only_b)}

@@ -360,13 +360,11 @@ def paired(rows_a: dict, rows_b: dict, boot_iters: int) -> dict | None:
     common = sorted(set(rows_a) & set(rows_b))
     if not common:
         return None
-    x = [float(rows_a[p]["correct"]) for p in common]
-    y = [float(rows_b[p]["correct"]) for p in common]
-    b = sum(int(u > v) for u, v in zip(x, y))
-    c = sum(int(v > u) for u, v in zip(x, y))
-    d, lo, hi = st.paired_bootstrap(x, y, iters=boot_iters)
-    return {"n_paired": len(common), "acc_diff": d, "acc_diff_boot95": [lo, hi],
-            "only_this_right": b, "only_other_right": c, "mcnemar_p": st.mcnemar_exact(b, c),
+    r = st.paired_accuracy([float(rows_a[p]["correct"]) for p in common],
+                           [float(rows_b[p]["correct"]) for p in common], boot_iters)
+    return {"n_paired": r["n_paired"], "acc_diff": r["acc_diff"],
+            "acc_diff_boot95": r["acc_diff_boot95"], "only_this_right": r["only_a_right"],
+            "only_other_right": r["only_b_right"], "mcnemar_p": r["mcnemar_p"],
             "same_answer": st.mean(rows_a[p]["pred"] == rows_b[p]["pred"] for p in common),
             "identical_output": st.mean(rows_a[p]["output_ids"] == rows_b[p]["output_ids"]
                                         for p in common)}
