@@ -159,12 +159,16 @@ class Row:
     policy: str
     scope: str = "per-head"  # per-head, layer or global
     floor: int = 0
+    # tensor parallel: the KV heads split into `ranks` equal shares, each competing within its
+    # own share of a layer or global budget (what a tp = ranks server selects)
+    ranks: int = 1
 
     @property
     def name(self) -> str:
         if self.policy == "full":
             return "full"
-        return f"{self.policy} {self.scope}" + (f", floor {self.floor}" if self.floor else "")
+        return (f"{self.policy} {self.scope}" + (f", floor {self.floor}" if self.floor else "")
+                + (f", {self.ranks} ranks" if self.ranks > 1 else ""))
 
     @classmethod
     def of(cls, mode) -> "Row":
@@ -277,7 +281,12 @@ class MaskedBudgetRun:
                 scores = policy.score_streamed(log_beta, None, None).float().clone()
                 scores[..., :sinks] = float("inf")  # sinks: always kept, counted in K
                 scores = scores.masked_fill(~cand, float("-inf"))
-                kept = keep_mask(scores, keep, row.scope, row.floor)
+                share = H // row.ranks  # each rank's KV heads compete among themselves
+                kept = torch.cat([keep_mask(scores[:, r * share:(r + 1) * share], keep,
+                                            row.scope, row.floor)
+                                  for r in range(row.ranks)], dim=1)
+            elif row.ranks > 1:
+                raise ValueError(f"{row.name}: ranks are built for retention rows (trimkv)")
             elif row.scope == "per-head":
                 kept = self._served_per_head(state, b, row.policy, cand, lo, sinks)
             else:
@@ -583,6 +592,9 @@ def main(argv=None) -> int:
     ap.add_argument("--floors", default=None,
                     help="trimkv's global rows: per-head floors, the candidates each head keeps "
                          "before the global ranking (default: 0 and K/4, K = budget - window)")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="also trimkv's global row as tensor parallelism over this many ranks "
+                         "serves it (each rank's KV heads share its part of the budget)")
     ap.add_argument("--eviction-seed", type=int, default=0,
                     help="vase-attnv's draws: seed; problem i is request i")
     ap.add_argument("--threads", type=int, default=2)
@@ -617,6 +629,8 @@ def main(argv=None) -> int:
         for scope in scopes:
             if scope == "global" and needs_gates(policy):  # a floor per head: retention rows
                 modes += [Row(policy, "global", f) for f in floors]
+                if a.ranks > 1:
+                    modes.append(Row(policy, "global", 0, a.ranks))
             else:
                 modes.append(Row(policy, SCOPES[scope]))
     names = [m.name for m in modes]

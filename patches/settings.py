@@ -67,7 +67,8 @@ FLAGS = {
                      "share their total) or global (all layers and heads share one total; the "
                      "same slots, heads keep unequal counts; docs/global_budget.md). Shared "
                      "scopes need a policy whose scores compare across heads (trimkv) and are "
-                     "served on CPU with --page-size 1, tp 1 and dp 1. Also per request: "
+                     "served on CPU with --page-size 1 and dp 1 (with tp, each rank's heads "
+                     "share its part). Also per request: "
                      "custom_params.kv_evict.budget_scope."),
     "workspace-mb": ("workspace_mb", int, "MiB reserved at startup for one eviction step "
                      "(gathered K/V and score temporaries; the step is chunked over layers and "

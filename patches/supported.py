@@ -173,16 +173,14 @@ NOT_TESTED = "not tested with eviction"
 def shared_scope_refusal(server_args, page_size: int) -> str | None:
     """Why a launch cannot serve --kv-evict-budget-scope layer/global (docs/global_budget.md),
     None where it can: the cells are read by a CPU attention hook (torch_native), packed with
-    pages of one token, on one rank and one data-parallel worker, in 16/32-bit K/V."""
+    pages of one token, on one data-parallel worker, in 16/32-bit K/V. Tensor parallel ranks
+    each rank their own KV heads within their part of the budget (tests/test_parallel.py)."""
     device = getattr(server_args, "device", None)
     if device not in (None, "cpu"):
         return (f"--device {device}: shared budget scopes are served on CPU only (torch_native); "
                 "the CUDA attention over cells is not wired into SGLang's backends yet")
     if page_size != 1:
         return f"--page-size {page_size}: shared budget scopes are served with pages of 1 only"
-    tp = getattr(server_args, "tp_size", 1) or 1
-    if tp != 1:
-        return f"--tp-size {tp}: shared budget scopes are served on one rank only"
     dp = getattr(server_args, "dp_size", 1) or 1
     if dp != 1:
         return f"--dp-size {dp}: shared budget scopes are not tested with data parallelism"

@@ -78,6 +78,38 @@ def test_tp2_equals_the_single_process_reference(tp2_server, hf_model, gates_fil
     assert max(abs(a - b) for a, b in zip(logprobs, other_lp)) > 1e-2
 
 
+def test_tp2_global_budget_is_each_ranks_heads_sharing_its_part(tp2_server, tiny_model_fp32,
+                                                                 gates_file):
+    """trimkv with budget_scope global on two ranks: each rank's KV heads (here one) share
+    its part of the budget, L · (H / tp) · K cells, with no collective; the served logprobs
+    equal the reference's global row split by rank (benchmarks/global_budget.py, ranks=2),
+    and differ from the one-process global row (the ranks do not trade budget)."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.global_budget import MaskedBudgetRun, Row
+
+    prompt = [(17 * i + 3) % 900 + 10 for i in range(12)]
+    out = tp2_server.generate(input_ids=prompt, max_new_tokens=120, return_logprob=True,
+                              sampling_params={"ignore_eos": True, "custom_params": {"kv_evict": {
+                                  "policy": "trimkv", "budget_scope": "global"}}})
+    tokens = out["output_ids"]
+    served = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
+    run = MaskedBudgetRun(model, gates_file, budget=BUDGET, window=WINDOW, seed=SEED)
+    logprobs, _ = run.run(prompt, tokens, [Row("trimkv", "global", 0, 2),
+                                           Row("trimkv", "global")])
+    per_rank, one_process = ([float(logprobs[b, t, tok]) for t, tok in enumerate(tokens)]
+                             for b in range(2))
+    assert out["meta_info"]["kv_evicted_tokens"] > 0
+    assert max(abs(a - b) for a, b in zip(served, per_rank)) < TOL
+    assert max(abs(a - b) for a, b in zip(served, one_process)) > 1e-2
+    tp2_server.wait_idle_checked()
+
+
 def test_tp2_frees_the_same_slots_on_every_rank(tp2_server):
     """Both ranks keep one allocator each and take the same eviction decisions from the same
     host-side lengths; a mismatch shows as a leak or a conservation error in SGLang's strict
