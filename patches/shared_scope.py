@@ -129,20 +129,22 @@ def around_forward_decode(original, backend, q, k, v, layer, forward_batch, *arg
     outputs = out.view(-1, q_heads, layer.v_head_dim)
     k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
-    # Cells never change within a forward (new tokens go to newest slots): gather each
-    # request's cells of every layer once per forward, at its first layer.
+    # Neither the row nor the cells change within a forward (the new token's slot is already
+    # in the row): each request's plain slots and its cells of every layer are gathered once
+    # per forward, at its first layer.
     gathered = forward_batch.__dict__.setdefault("_vase_cells", {})
     for i, view in hits:
-        row_slots = backend.req_to_token_pool.req_to_token[rows[i], :lens[i]].long()
-        plain = torch.cat([row_slots[:view.prefix], row_slots[view.prefix + view.keep:]])
         if i not in gathered:
-            gathered[i] = (torch.stack([b[view.older] for b in rt.k_buffers]).flatten(0, 2),
+            row_slots = backend.req_to_token_pool.req_to_token[rows[i], :lens[i]].long()
+            gathered[i] = (torch.cat([row_slots[:view.prefix], row_slots[view.prefix + view.keep:]]),
+                           torch.stack([b[view.older] for b in rt.k_buffers]).flatten(0, 2),
                            torch.stack([b[view.older] for b in rt.v_buffers]).flatten(0, 2))
-        cell_k, cell_v = gathered[i]
+        plain, cell_k, cell_v = gathered[i]
+        plain_k, plain_v = k_cache[plain], v_cache[plain]  # [n, H, D]
         for h in range(H):
             owned = view.owned(here, h, H)
-            keys = torch.cat([k_cache[plain, h], cell_k[owned]])
-            values = torch.cat([v_cache[plain, h], cell_v[owned]])
+            keys = torch.cat([plain_k[:, h], cell_k[owned]])
+            values = torch.cat([plain_v[:, h], cell_v[owned]])
             query = queries[i, h * group:(h + 1) * group]  # [G, D]
             if keys.dtype != query.dtype:  # as SGLang's decode does
                 keys, values = keys.to(query.dtype), values.to(query.dtype)
