@@ -213,7 +213,7 @@ REQUEST_CASES = [
     ({"policy": "vase-attnv", "value_slots": 5}, "kv_evict.value_slots: must be a multiple of 2 "
                                                  "(--kv-evict-grid); got 5"),
     ("off", "kv_evict: expected false, true or an object with keys policy, budget, window, "
-            "value_slots, sinks, seed, mode; got 'off'"),
+            "value_slots, sinks, seed, mode, budget_scope; got 'off'"),
 ]
 PROMPT = "The quick brown fox"
 

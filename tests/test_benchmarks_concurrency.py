@@ -324,7 +324,7 @@ def test_round_order_takes_turns_and_pairs_the_runs_by_round(tmp_path, monkeypat
 
     throughputs = iter([10.0, 20.0, 5.0, 15.0])  # in the order the runs are made
 
-    def run(server, args, c, evicting, page_size=1, pool=None):
+    def run(server, args, c, evicting, page_size=1, pool=None, budget=None, window=None):
         figures = dict.fromkeys(cs.STAT_KEYS, 1.0)
         figures["eviction_time_share"] = 0.01 if evicting else None
         return {**figures, "output_throughput": next(throughputs)}
