@@ -29,15 +29,18 @@ from benchmarks import accuracy as acc  # noqa: E402
 ROWS = {"head": "trimkv per-head", "layer": "trimkv layer", "global": "trimkv global"}
 
 
-def compare(served_rows: list[dict], masked_rows: list[dict], budget: int, window: int) -> dict:
+def compare(served_rows: list[dict], masked_rows: list[dict], budget: int, window: int,
+            gates: str) -> dict:
     """Per scope: tokens compared, max / median |Δ NLL|, problems, over the (problem, scope)
-    pairs both sides recorded."""
+    pairs both sides recorded with the same gates (`gates`: the file's SHA-256; served arms
+    name its first 8 hex digits) and no value slots."""
     masked = {r["pid"]: r["modes"] for r in masked_rows}
     out = {}
     for r in served_rows:
         f = r.get("arm_fields") or {}
         if (f.get("kind") != "tf" or f.get("policy") != "trimkv" or f.get("budget") != budget
-                or f.get("window") != window or r["pid"] not in masked):
+                or f.get("window") != window or r["pid"] not in masked
+                or f.get("value_slots") is not None or not gates.startswith(f.get("gates") or "-")):
             continue
         scope = f.get("scope", "head")
         row = masked[r["pid"]].get(ROWS[scope])
@@ -63,13 +66,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     served = acc.load_rows(Path(a.served))
     masked = [json.loads(x) for x in (Path(a.masked) / "records.jsonl").read_text().splitlines()]
-    result = compare(served, masked, a.budget, a.window)
+    gates = json.loads((Path(a.masked) / "summary.json").read_text())["config"]["gates_sha256"]
+    result = compare(served, masked, a.budget, a.window, gates)
     if not result:
         raise SystemExit("no (problem, scope) recorded on both sides")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "served_vs_masked.json").write_text(json.dumps({"config": vars(a), "scopes": result},
-                                                          indent=1))
+    (out / "served_vs_masked.json").write_text(json.dumps(
+        {"config": {**vars(a), "gates_sha256": gates}, "scopes": result}, indent=1))
     lines = ["| scope | problems | tokens | max abs diff NLL | median | share > 1e-3 |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {s} | {v['problems']} | {v['tokens']} | {v['max_abs_diff']:.2e} | "

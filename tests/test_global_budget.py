@@ -206,16 +206,17 @@ def test_gain_share_is_the_layer_scopes_part_of_a_global_gain_and_none_without_o
 def test_served_vs_masked_pairs_scopes_and_ignores_other_arms():
     from benchmarks.served_vs_masked import compare
 
-    def served(pid, scope, nll, budget=64):
+    def served(pid, scope, nll, budget=64, gates="abcd1234"):
         return {"pid": pid, "nll": nll, "arm_fields": {"kind": "tf", "policy": "trimkv",
                                                       "budget": budget, "window": 16,
-                                                      "scope": scope}}
+                                                      "scope": scope, "gates": gates}}
 
     masked = [{"pid": "p0", "modes": {"trimkv per-head": {"nll": [1.0, 2.0]},
                                       "trimkv global": {"nll": [1.0, 2.5]}}}]
     rows = [served("p0", "head", [1.0, 2.0]), served("p0", "global", [1.0, 2.0]),
-            served("p0", "global", [9.0, 9.0], budget=128), served("p1", "global", [0.0])]
-    out = compare(rows, masked, 64, 16)
+            served("p0", "global", [9.0, 9.0], budget=128), served("p1", "global", [0.0]),
+            served("p0", "head", [5.0, 5.0], gates="ffff0000")]  # other gates: not compared
+    out = compare(rows, masked, 64, 16, "abcd1234" + "0" * 56)
     assert out["head"]["max_abs_diff"] == 0.0 and out["head"]["tokens"] == 2
     assert out["global"]["max_abs_diff"] == 0.5 and out["global"]["problems"] == 1
     assert out["global"]["share_above_1e-3"] == 0.5
