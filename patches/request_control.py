@@ -84,6 +84,10 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None,
         # The server's explicit N_v belongs to its own policy and budget; a request that
         # changes either gets the default (budget/4 for vase-attnv).
         changes["value_slots"] = None
+    policy = POLICIES.get(changes.get("policy", server.policy))
+    if "budget_scope" not in changes and policy is not None and not policy.shares_budget:
+        # So does a shared budget scope: a request for a policy served per head gets "head".
+        changes["budget_scope"] = "head"
     try:
         cfg = server.replace(**changes)
         check_page_size(cfg, page_size)

@@ -154,3 +154,62 @@ def test_abort_of_a_request_holding_cells_frees_its_slots_and_its_cells(snapkv_s
     again = {s: _serve(snapkv_server, prompt, s)[0] for s in ("head", "global")}
     assert again == {s: out[s][0] for s in ("head", "global")}
     snapkv_server.wait_idle_checked()
+
+
+# -- a server started with the scope ------------------------------------------------------------
+
+def test_the_workspace_and_warmup_plan_per_head_steps_for_a_global_server():
+    """A server whose own scope is global sizes its step workspace and warms its kernels for
+    the per-head steps its requests may ask for (shared-scope steps run outside the
+    workspace): the same sizes as a per-head server, where it crashed at startup before
+    (a trimkv request-like config with value slots and the global scope)."""
+    from vase_sglang import EvictionConfig
+    from vase_sglang.chunk import KVShapes
+    from vase_sglang.plan import workspace_bytes
+    from vase_sglang.warmup import scratch_config
+
+    shapes = KVShapes(kv_heads=2, q_heads=4, head_dim=32, kv_dtype=torch.float32,
+                      q_dtype=torch.float32, ring_window=WINDOW)
+    head = EvictionConfig(policy="trimkv", budget=BUDGET, window=WINDOW)
+    glob = head.replace(budget_scope="global")
+    assert workspace_bytes(glob, shapes, "cpu", max_candidates=4096) == \
+        workspace_bytes(head, shapes, "cpu", max_candidates=4096)
+    assert scratch_config(glob, "vase-attnv").budget_scope == "head"
+
+
+def test_a_request_for_a_per_head_policy_on_a_global_server_gets_the_head_scope():
+    from patches.request_control import effective_config
+    from vase_sglang import EvictionConfig
+
+    server = EvictionConfig(policy="trimkv", budget=BUDGET, window=WINDOW, budget_scope="global")
+    assert effective_config({"kv_evict": {"policy": "vase-dkv"}}, server,
+                            has_gates=True).budget_scope == "head"
+    assert effective_config({"kv_evict": {"budget": 32}}, server,
+                            has_gates=True).budget_scope == "global"
+    with pytest.raises(ValueError, match="kv_evict.budget_scope: 'global' needs a policy"):
+        effective_config({"kv_evict": {"policy": "vase-dkv", "budget_scope": "global"}}, server,
+                         has_gates=True)
+
+
+def test_a_server_started_with_the_global_scope_serves_it(tiny_model_fp32, trimkv_gates_file,
+                                                         served):
+    """--kv-evict-budget-scope global on the command line: its requests evict into cells as
+    a per-request global one does on another server (the same tokens), and a request for a
+    per-head policy is served per head."""
+    from servers import Server
+
+    prompt, out, _used = served
+    flags = ["--dtype", "float32", "--kv-evict-policy", "trimkv", "--kv-evict-budget",
+             str(BUDGET), "--kv-evict-window", str(WINDOW), "--kv-evict-sinks", str(SINKS),
+             "--kv-evict-budget-scope", "global",
+             "--kv-evict-retention-gates", str(trimkv_gates_file)]
+    with Server(tiny_model_fp32, flags) as server:
+        got = server.generate(input_ids=prompt, max_new_tokens=N_TOKENS,
+                              sampling_params={"ignore_eos": True})
+        other = server.generate(input_ids=prompt, max_new_tokens=40, sampling_params={
+            "ignore_eos": True, "custom_params": {"kv_evict": {"policy": "vase-dkv"}}})
+        server.wait_idle_checked()
+        used = server.used_tokens()
+    assert got["output_ids"] == out["global"][0]
+    assert got["meta_info"]["kv_evicted_tokens"] == out["global"][2]["kv_evicted_tokens"]
+    assert len(other["output_ids"]) == 40 and used == 0

@@ -401,7 +401,10 @@ def workspace_bytes(cfg: EvictionConfig, shapes: KVShapes, device_type: str,
     admits, e.g. the model's context length; default max_budget) streamed STREAM_CHUNK
     candidates at a time. `max_requests` bounds the group (its staged ids). Raises
     ValueError naming the flag if a requested size cannot hold them."""
-    cfg = cfg.replace(mode="fixed", ceiling=None)  # when a step runs does not change its memory
+    # when a step runs does not change its memory; a shared budget scope's steps run outside
+    # the workspace (patches/shared_scope.py): it holds per-head steps, this policy's and
+    # those of the policies requests may ask for
+    cfg = cfg.replace(mode="fixed", ceiling=None, budget_scope="head")
     max_budget = cfg.budget if max_budget is None else max(max_budget, cfg.budget)
     max_candidates = max_budget if max_candidates is None else max(max_candidates, max_budget)
     cost = step_cost(cfg, shapes, cfg.budget, device_type)

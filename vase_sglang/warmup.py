@@ -84,7 +84,8 @@ def scratch_config(cfg: EvictionConfig, policy: str, window: int | None = None) 
     value-range kernel runs."""
     window = min(cfg.window, 8) if window is None else window
     budget = -(-(window + max(32, 2 * cfg.sinks + 8)) // 16) * 16  # a multiple of 16
-    scratch = cfg.replace(policy=policy, budget=budget, window=window, value_slots=None)
+    scratch = cfg.replace(policy=policy, budget=budget, window=window, value_slots=None,
+                          budget_scope="head")
     if POLICIES[policy].reserves_value_slots and not scratch.n_value_slots:
         scratch = scratch.replace(value_slots=max(1, (budget - window - cfg.sinks) // 4))
     return scratch
@@ -263,7 +264,7 @@ def probe(cfg: EvictionConfig, shapes: KVShapes, device, *,
     policies = allowed_policies(cfg, retention)
     steps = 0
     for policy in policies:
-        pcfg = cfg.replace(policy=policy, value_slots=None)
+        pcfg = cfg.replace(policy=policy, value_slots=None, budget_scope="head")
         for n, (b, l, first) in zip(counts, layouts):
             scratch.step(pcfg, n=n, b=b, l=l, first_layer=first, attention=attention,
                          head_offset=head_offset, page_size=page_size)
@@ -272,7 +273,8 @@ def probe(cfg: EvictionConfig, shapes: KVShapes, device, *,
     for budget, window in requests:
         for policy in kinds:
             if budget > window:
-                rcfg = cfg.replace(policy=policy, budget=budget, window=window, value_slots=None)
+                rcfg = cfg.replace(policy=policy, budget=budget, window=window, value_slots=None,
+                                   budget_scope="head")
                 scratch.step(rcfg, n=budget + 3, b=2, l=1, first_layer=1, attention=attention,
                              head_offset=head_offset, page_size=page_size)
                 steps += 1
