@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import accuracy as acc  # noqa: E402
 
-# the served arm's scope -> the masked row's name (global_budget.Row.name, floor 0)
-ROWS = {"head": "trimkv per-head", "layer": "trimkv layer", "global": "trimkv global"}
+# the served arm's scope -> the masked row's scope (global_budget.Row.name, floor 0)
+ROW_SCOPES = {"head": "per-head", "layer": "layer", "global": "global"}
 
 
 def compare(served_rows: list[dict], masked_rows: list[dict], budget: int, window: int,
-            gates: str) -> dict:
+            gates: str, policy: str = "trimkv") -> dict:
     """Per scope: tokens compared, max / median |Δ NLL|, problems, over the (problem, scope)
     pairs both sides recorded with the same gates (`gates`: the file's SHA-256; served arms
     name its first 8 hex digits) and no value slots."""
@@ -38,12 +38,12 @@ def compare(served_rows: list[dict], masked_rows: list[dict], budget: int, windo
     out = {}
     for r in served_rows:
         f = r.get("arm_fields") or {}
-        if (f.get("kind") != "tf" or f.get("policy") != "trimkv" or f.get("budget") != budget
+        if (f.get("kind") != "tf" or f.get("policy") != policy or f.get("budget") != budget
                 or f.get("window") != window or r["pid"] not in masked
                 or f.get("value_slots") is not None or not gates.startswith(f.get("gates") or "-")):
             continue
         scope = f.get("scope", "head")
-        row = masked[r["pid"]].get(ROWS[scope])
+        row = masked[r["pid"]].get(f"{policy} {ROW_SCOPES[scope]}")
         if row is None:
             continue
         diffs = [abs(a - b) for a, b in zip(r["nll"], row["nll"], strict=True)]
