@@ -173,7 +173,7 @@ NOT_TESTED = "not tested with eviction"
 def shared_scope_refusal(server_args, page_size: int) -> str | None:
     """Why a launch cannot serve --kv-evict-budget-scope layer/global (docs/global_budget.md),
     None where it can: the cells are read by a CPU attention hook (torch_native), packed with
-    pages of one token, on one data-parallel worker, in 16/32-bit K/V. Tensor parallel ranks
+    pages of one token, with the radix cache, on one data-parallel worker, in 16/32-bit K/V. Tensor parallel ranks
     each rank their own KV heads within their part of the budget (tests/test_parallel.py)."""
     device = getattr(server_args, "device", None)
     if device not in (None, "cpu"):
@@ -181,6 +181,9 @@ def shared_scope_refusal(server_args, page_size: int) -> str | None:
                 "the CUDA attention over cells is not wired into SGLang's backends yet")
     if page_size != 1:
         return f"--page-size {page_size}: shared budget scopes are served with pages of 1 only"
+    if getattr(server_args, "disable_radix_cache", False):
+        return ("--disable-radix-cache: shared budget scopes are not tested without the radix "
+                "cache (the prompt would be private and evicted with the outputs)")
     dp = getattr(server_args, "dp_size", 1) or 1
     if dp != 1:
         return f"--dp-size {dp}: shared budget scopes are not tested with data parallelism"

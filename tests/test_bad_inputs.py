@@ -168,6 +168,9 @@ def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, t
     message = startup_error(trimkv + ["--page-size", "16"], {})
     assert message is not None and ("--kv-evict-budget-scope=global cannot be served here: "
                                     "--page-size 16") in message, message
+    message = startup_error(trimkv + ["--disable-radix-cache"], {})
+    assert message is not None and "--disable-radix-cache: shared budget scopes are not tested" \
+        in message, message
     message = startup_error(trimkv + ["--kv-evict-mode", "elastic"], {})
     assert message is not None and "--kv-evict-budget-scope: 'global' is served in fixed mode" \
         in message, message
