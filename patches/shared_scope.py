@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from vase_sglang.cells import CellMap, pack, select_shared
+from vase_sglang.ops.cell_attention import cell_attention, merge_attention
 from vase_sglang.policies import POLICIES, Retention
 
 from . import runtime
@@ -38,6 +39,9 @@ from .state import STATE, pos_offset, state
 
 TARGET_DECODE = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
                  "forward_decode")
+TARGET_TRITON_METADATA = ("sglang.srt.layers.attention.triton_backend.TritonAttnBackend."
+                          "init_forward_metadata")
+TARGET_TRITON_DECODE = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_decode"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class CellView:
     older: torch.Tensor  # [K] int64
     order: torch.Tensor  # [L · K · H] int64
     offsets: list  # L · H + 1 host ints
+    offset_table: torch.Tensor  # the same offsets, int64 [L · H + 1], for the cell kernel
 
     def owned(self, layer: int, head: int, kv_heads: int) -> torch.Tensor:
         i = layer * kv_heads + head
@@ -95,7 +100,7 @@ def evict_one(rt, cfg, n: int, sinks: int, req) -> tuple[torch.Tensor, torch.Ten
             buffers[layer][dst_slot[sel], dst_head[sel]] = moved[sel]
     st.cells = packed
     order, offsets = packed.segments()
-    return row_slots, CellView(prefix, K, older, order, offsets.tolist())
+    return row_slots, CellView(prefix, K, older, order, offsets.tolist(), offsets)
 
 
 def forget(req) -> None:
@@ -154,4 +159,85 @@ def around_forward_decode(original, backend, q, k, v, layer, forward_batch, *arg
     return out
 
 
-HOOKS = [(TARGET_DECODE, "AROUND", around_forward_decode)]
+def after_triton_metadata(ret, backend, forward_batch, *args, **kwargs):
+    """AFTER TritonAttnBackend.init_forward_metadata: at decode, a request holding cells is
+    read by SGLang's kernel over its plain tokens only (prompt and newest slots): its K older
+    columns, which hold cells of any (layer, head), leave its kv_indices, and its split count
+    follows its shorter length. Other requests' indices are SGLang's, unchanged."""
+    rt = runtime.RUNTIME
+    if rt is None or not rt.cell_views or not forward_batch.forward_mode.is_decode():
+        return ret
+    rows = forward_batch.req_pool_indices.tolist()
+    if not any(row in rt.cell_views for row in rows):
+        return ret
+    md = backend.forward_metadata
+    lens = forward_batch.seq_lens.tolist()
+    pieces, plain_lens = [], []
+    for row, n in zip(rows, lens):
+        slots = backend.req_to_token[row, :n]
+        view = rt.cell_views.get(row)
+        if view is not None:
+            slots = torch.cat([slots[:view.prefix], slots[view.prefix + view.keep:]])
+        pieces.append(slots.to(md.kv_indices.dtype))
+        plain_lens.append(slots.numel())
+    plain = torch.tensor(plain_lens, dtype=forward_batch.seq_lens.dtype,
+                         device=forward_batch.seq_lens.device)
+    indptr = torch.zeros(len(rows) + 1, dtype=md.kv_indptr.dtype, device=md.kv_indptr.device)
+    indptr[1:] = plain.cumsum(0)
+    # new tensors: kv_indptr is a view of the backend's persistent buffer
+    md.kv_indptr, md.kv_indices = indptr, torch.cat(pieces)
+    num_kv_splits = torch.empty_like(md.num_kv_splits)
+    backend.get_num_kv_splits(num_kv_splits, plain, md.uneven_batch)
+    md.num_kv_splits = num_kv_splits
+    return ret
+
+
+def split_lse(attn_lse: torch.Tensor, kv_indptr: torch.Tensor, num_kv_splits: torch.Tensor,
+              min_block: int = 32) -> torch.Tensor:
+    """[B, H_q] the log-sum-exp of each request's logits over all its keys, from the per-split
+    log-sum-exps [B, H_q, S] that the stage-1 decode kernel of SGLang's Triton backend stores
+    (sglang/kernels/ops/attention/decode_attention.py: split s of a request of L keys read by
+    k splits holds keys [s·c, min((s+1)·c, L)), c = ⌈⌈L / k⌉ / 32⌉ · 32; a split with no key
+    stores nothing, and is left out here)."""
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).long()[: attn_lse.shape[0], None]
+    splits = num_kv_splits.long()[: attn_lse.shape[0], None]
+    per_split = ((lens + splits - 1) // splits + min_block - 1) // min_block * min_block
+    first = torch.arange(attn_lse.shape[-1], device=attn_lse.device)[None] * per_split
+    valid = (first < lens)[:, None, :]  # [B, 1, S]
+    return torch.logsumexp(attn_lse.float().masked_fill(~valid, float("-inf")), dim=-1)
+
+
+def around_triton_forward_decode(original, backend, q, k, v, layer, forward_batch, *args,
+                                 **kwargs):
+    """AROUND TritonAttnBackend.forward_decode: SGLang's decode (over each request's plain
+    tokens, after_triton_metadata) writes the new token's K/V and the attention over the
+    plain part; a request holding cells then gets the attention over the cells each KV head
+    owns (ops.cell_attention, in any layer's buffer) merged in through the log-sum-exp, the
+    plain part's taken from the kernel's per-split log-sum-exps (split_lse)."""
+    out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    rt = runtime.RUNTIME
+    if rt is None or not rt.cell_views or layer.is_cross_attention:
+        return out
+    rows = forward_batch.req_pool_indices.tolist()
+    hits = [(i, rt.cell_views[row]) for i, row in enumerate(rows) if row in rt.cell_views]
+    if not hits:
+        return out
+    md = backend.forward_metadata
+    q_heads = layer.tp_q_head_num
+    queries = q.reshape(-1, q_heads, layer.qk_head_dim)
+    outputs = out.view(-1, q_heads, layer.v_head_dim)
+    plain_lse = split_lse(md.attn_lse, md.kv_indptr, md.num_kv_splits)
+    here = layer.layer_id - rt.start_layer
+    softcap = float(layer.logit_cap or 0.0)
+    for i, view in hits:
+        cell_out, cell_lse = cell_attention(
+            queries[i:i + 1], rt.k_buffers, rt.v_buffers, view.older[None], view.order[None],
+            view.offset_table[None], here, layer.scaling, softcap)
+        merged, _ = merge_attention(outputs[i:i + 1], plain_lse[i:i + 1], cell_out, cell_lse)
+        outputs[i] = merged[0].to(outputs.dtype)
+    return out
+
+
+HOOKS = [(TARGET_DECODE, "AROUND", around_forward_decode),
+         (TARGET_TRITON_METADATA, "AFTER", after_triton_metadata),
+         (TARGET_TRITON_DECODE, "AROUND", around_triton_forward_decode)]

@@ -170,15 +170,34 @@ ALLOWED = {
 NOT_TESTED = "not tested with eviction"
 
 
+# The decode attention backends the attention over cells is wired into (shared_scope.py).
+SHARED_SCOPE_BACKENDS = ("torch_native", "triton")
+
+
+def decode_attention_backend(server_args) -> str | None:
+    """The attention backend SGLang resolved for decode: --decode-attention-backend where set,
+    else --attention-backend."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    return (resolution_result(server_args, "decode_attention_backend")
+            or resolution_result(server_args, "attention_backend"))
+
+
 def shared_scope_refusal(server_args, page_size: int) -> str | None:
     """Why a launch cannot serve --kv-evict-budget-scope layer/global (docs/global_budget.md),
-    None where it can: the cells are read by a CPU attention hook (torch_native), packed with
+    None where it can: the cells are read by a CPU attention hook (torch_native or triton), packed with
     pages of one token, with the radix cache, on one data-parallel worker, in 16/32-bit K/V. Tensor parallel ranks
     each rank their own KV heads within their part of the budget (tests/test_parallel.py)."""
     device = getattr(server_args, "device", None)
     if device not in (None, "cpu"):
-        return (f"--device {device}: shared budget scopes are served on CPU only (torch_native); "
-                "the CUDA attention over cells is not wired into SGLang's backends yet")
+        return (f"--device {device}: shared budget scopes are served on CPU only (torch_native "
+                "or triton); on CUDA the attention over cells is not wired into SGLang's CUDA "
+                "graphs yet")
+    backend = decode_attention_backend(server_args)
+    if backend not in SHARED_SCOPE_BACKENDS:
+        return (f"the {backend} attention backend: shared budget scopes are served by the "
+                f"{' and '.join(SHARED_SCOPE_BACKENDS)} backends only (the attention over a "
+                f"request's cells is not wired into {backend})")
     if page_size != 1:
         return f"--page-size {page_size}: shared budget scopes are served with pages of 1 only"
     if getattr(server_args, "disable_radix_cache", False):

@@ -174,6 +174,14 @@ def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, t
     message = startup_error(trimkv + ["--kv-evict-mode", "elastic"], {})
     assert message is not None and "--kv-evict-budget-scope: 'global' is served in fixed mode" \
         in message, message
+    # the attention over cells is wired into the torch_native and triton decode backends only
+    assert startup_error(trimkv + ["--attention-backend", "triton"], {}) is None
+    for flags, backend in ((["--attention-backend", "flashinfer"], "flashinfer"),
+                           (["--decode-attention-backend", "fa3"], "fa3")):
+        message = startup_error(trimkv + flags, {})
+        assert message is not None and (f"cannot be served here: the {backend} attention backend: "
+                                        "shared budget scopes are served by the torch_native and "
+                                        "triton backends only") in message, message
 
 
 def test_good_settings_pass_the_startup_checks(startup_error):
