@@ -33,6 +33,7 @@ from vase_sglang.ops.cell_attention import (  # noqa: E402
     cell_attention_reference,
     cell_attention_triton,
     merge_attention,
+    split_lse,
 )
 
 torch.set_num_threads(1)
@@ -390,3 +391,48 @@ def test_cell_attention_is_capturable(monkeypatch):
         return cell_attention_triton(*a, 2, 0.125, num_splits=int(a[5].diff(dim=-1).max()))
 
     assert _hazards_after_warmup(sized_by_data, *args)
+
+
+# ------------------------------------------- split_lse: SGLang's per-split log-sum-exps
+
+
+def _splits_holding_keys(length, k, min_block=32):
+    """Brute force, as SGLang's stage 1 loops: the splits s < S whose [start, end) is not empty."""
+    per = -(-(-(-length // k)) // min_block) * min_block
+    return [s for s in range(8) if min(per * s + per, length) > per * s]
+
+
+def test_split_lse_takes_exactly_the_splits_that_hold_keys():
+    """Requests of 0..300 keys and 1..8 splits: the total is the log-sum-exp of the splits that
+    hold keys (by the kernel's own loop bounds); the others hold NaN (never written) and are
+    left out; a request of no key gives -inf. kv_indptr and num_kv_splits may be longer than
+    the batch (a captured graph's buffers)."""
+    g = _gen(3)
+    lengths = [0, 1, 31, 32, 33, 64, 65, 100, 255, 256, 257, 300, 7, 40]
+    ks = [1, 8, 4, 1, 2, 8, 3, 5, 8, 8, 7, 2, 8, 3]
+    b, h_q = len(lengths), 3
+    lse = torch.randn(b, h_q, 8, generator=g) * 5
+    expected = torch.full((b, h_q), NEG_INF)
+    for i, (n, k) in enumerate(zip(lengths, ks)):
+        holds = _splits_holding_keys(n, k)
+        assert all(s < k for s in holds) and (holds or n == 0)
+        empty = [s for s in range(8) if s not in holds]
+        lse[i][:, empty] = float("nan")
+        if holds:
+            expected[i] = torch.logsumexp(lse[i][:, holds].double(), -1).float()
+    indptr = torch.tensor([0] + lengths + [0]).cumsum(0).int()  # one padding entry more
+    splits = torch.tensor(ks + [8], dtype=torch.int32)
+    total = split_lse(lse, indptr, splits)
+    assert total.dtype == torch.float32 and total.shape == (b, h_q)
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6)
+    assert (total[0] == NEG_INF).all()
+    assert torch.isnan(torch.logsumexp(lse, -1)).any()  # all splits: NaN (what it avoids)
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_split_lse_is_capturable():
+    """No host read, no data-dependent shape, no copy: it runs on the backend's metadata inside
+    a captured decode step."""
+    args = (torch.zeros(4, 8, 8), torch.zeros(5, dtype=torch.int32),
+            torch.ones(4, dtype=torch.int32))
+    assert _hazards_after_warmup(split_lse, *args) == []

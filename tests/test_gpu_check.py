@@ -91,6 +91,76 @@ def test_cpu_self_test_runs_every_section_without_sglang(tmp_path):
         assert warm[run]["probe_steps"] > 40 and not warm[run]["errors"], warm
     # CUDA graphs exist only on CUDA: recorded as skipped (or missing without capture.py).
     assert sections["graph_capture"]["status"] in ("skipped", "missing")
+    # SGLang's own decode kernels (exported, SGLang unimportable here) over evicted rows and
+    # merged with the cell kernel: every case, both stage-1 kernels, both row rewrites.
+    decode = sections["sglang_decode"]
+    rows = decode["rows"]
+    assert decode["status"] == "ok" and not decode["skipped"] and all(r["ok"] for r in rows)
+    assert {(r["check"], r["kernel"]) for r in rows} == {
+        (c, k) for c in ("eviction_row", "global_merge") for k in ("grouped", "normal")}
+    assert {r["row_rewrite"] for r in rows if r["check"] == "eviction_row"} == {"row", "kv copy"}
+    assert "SGLang 0.5.23" in decode["kernels"]
+
+
+@pytest.mark.parametrize("check,fault", [
+    ("eviction_row", "uncompacted_length"),  # reads freed (NaN) slots past the new length
+    ("eviction_row", "no_compaction"),  # the kept K/V never moved per head: finite, wrong
+    ("global_merge", "all_splits"),  # the log-sum-exp over splits that hold no key (NaN)
+])
+def test_the_sglang_decode_check_fails_on_a_wrong_row(check, fault):
+    """The sglang_decode section's cases (in this process: the interpreter) pass as built and
+    fail when the row, the compaction or the log-sum-exp is wrong."""
+    import dataclasses
+
+    import torch
+
+    from vase_sglang.serving import sglang_decode_check as S
+
+    fn, case = ((S.eviction_row, S.QUICK_ROWS[0]) if check == "eviction_row"
+                else (S.global_merge, S.QUICK_MERGES[0]))
+    case = dataclasses.replace(case, layers=1)
+    assert fn(case, torch.float32, "cpu")["ok"]
+    bad = fn(case, torch.float32, "cpu", fault=fault)
+    assert not bad["ok"] and bad["worst_fraction_of_tolerance"] != 0
+    if fault == "no_compaction":  # far out of tolerance, not just a NaN
+        assert isinstance(bad["max_abs_diff_out"], float) and bad["max_abs_diff_out"] > 0.1
+
+
+@pytest.mark.parametrize("kernel,q_heads", [("grouped", 32), ("normal", 8)])
+def test_the_gpu_tolerances_cover_an_emulation_of_sglangs_arithmetic(kernel, q_heads):
+    """sglang_decode's GPU tolerances (GPU_TOL) hold at least twice what SGLang's decode
+    arithmetic on a GPU (modelled in torch: sglang_decode_check.emulate) is off from the fp64
+    reference, at the section's shapes (8 KV heads, D 128, 624 and 100 keys); for the 16-bit
+    dtypes the output tolerance is not vacuous either (the modelled error uses >= 5% of it)."""
+    import torch
+
+    from vase_sglang.serving import sglang_decode_check as S
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        tol = S.tolerance(dtype, "cuda", kernel)
+        worst_out = worst_lse = 0.0
+        for n, seed in ((624, 0), (624, 1), (100, 2)):
+            g = torch.Generator().manual_seed(seed)
+            q = (S.Q_SCALE * torch.randn(q_heads, 128, generator=g)).to(dtype)
+            k = torch.randn(8, n, 128, generator=g).to(dtype)
+            v = torch.randn(8, n, 128, generator=g).to(dtype)
+            ref_out, ref_lse = S._attend(q, k, v, 128 ** -0.5)
+            out, lse = S.emulate(kernel, q, k, v, 128 ** -0.5)
+            vmax = float(v.abs().max())
+            worst_out = max(worst_out, S._within(out, ref_out, tol["out_atol_per_vmax"] * vmax,
+                                                 tol["out_rtol"])[2])
+            worst_lse = max(worst_lse, S._within(lse, ref_lse, tol["lse_atol"], 0.0)[2])
+        assert worst_out <= 0.5 and worst_lse <= 0.5, (dtype, worst_out, worst_lse)
+        if dtype != torch.float32:
+            assert worst_out >= 0.05, (dtype, worst_out)
+
+
+def test_sglang_decode_skips_cases_past_the_budget():
+    from vase_sglang.serving import sglang_decode_check as S
+
+    result = S.section("cpu", True, lambda: 0.0)
+    assert result["status"] == "ok" and not result["rows"]
+    assert len(result["skipped"]) == len(S.QUICK_ROWS) + len(S.QUICK_MERGES)
 
 
 def test_a_failing_kernel_comparison_fails_the_section():

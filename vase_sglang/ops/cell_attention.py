@@ -146,6 +146,36 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
+def split_lse(attn_lse, kv_indptr, num_kv_splits, min_block: int = 32):
+    """The total log-sum-exp of each request's keys from a split-KV decode's per-split ones.
+
+    SGLang's Triton decode (stage 1) splits request b's L keys (kv_indptr[b + 1] -
+    kv_indptr[b]) into k = num_kv_splits[b] chunks of c = ceil(ceil(L / k) / min_block) ·
+    min_block keys: split s holds keys [s·c, min((s + 1)·c, L)) and stores, if it holds any,
+    attn_lse[b, :, s] = e_max + log(e_sum) (natural log); a split holding no key stores
+    nothing, so its entry is whatever the buffer held and is left out here.
+
+    Args:
+        attn_lse: [B, H_q, S] the per-split log-sum-exps (S = the decode's max_kv_splits).
+        kv_indptr: [>= B + 1] each request's start in kv_indices (int).
+        num_kv_splits: [>= B] each request's split count (int, >= 1).
+        min_block: the kernel's MIN_BLOCK_KV (32 in SGLang 0.5.23).
+
+    Returns:
+        [B, H_q] float32: log sum over the request's keys of exp(logit); -inf for a request of
+        no key. Device ops only (no host read): safe under CUDA-graph capture.
+    """
+    b, _, s = attn_lse.shape
+    indptr = kv_indptr[: b + 1].long()
+    length = indptr[1:] - indptr[:-1]  # [B]
+    k = num_kv_splits[:b].long().clamp_min(1)
+    per = (length + k - 1) // k
+    per = (per + min_block - 1) // min_block * min_block
+    start = per[:, None] * torch.arange(s, device=attn_lse.device)  # [B, S]
+    holds = (start < length[:, None])[:, None, :]  # split s holds keys iff s·c < L
+    return torch.logsumexp(attn_lse.float().masked_fill(~holds, float("-inf")), dim=-1)
+
+
 if triton is not None:
     from .window_attention import _logits_log2, _mma
 

@@ -16,6 +16,13 @@ Sections, in order (each records its own status; a failing one does not stop the
                  dim that vase_sglang.ops.aot compiles (bf16/fp16/fp32 x 64/128/256); scores
                  within GPU_SCORE_TOL, and select_tokens on both backends keeping the same
                  tokens (KEPT_AGREEMENT, differences only near ties)
+  sglang_decode  SGLang 0.5.23's own Triton decode attention (decode_attention_fwd, exported
+                 verbatim into vase_sglang.serving.sglang_decode_attention: SGLang is not
+                 installed) over requests' rows as an eviction step leaves them (kept K/V
+                 compacted per head, newest moved, freed slots NaN, lengths shrunk), and its
+                 output merged through split_lse / merge_attention with cell_attention_triton
+                 (the global scope), against fp64 softmax references
+                 (vase_sglang.serving.sglang_decode_check)
   graph_capture  CUDA-graph capture and replay of the forward-path hook bodies under
                  torch.cuda.set_sync_debug_mode("error") (vase_sglang.capture.graph_capture_check;
                  "missing" where that module is absent)
@@ -50,8 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("environment", "warm_up", "kernels", "graph_capture", "step_timer", "hf_reference",
-            "eviction_step")
+SECTIONS = ("environment", "warm_up", "kernels", "sglang_decode", "graph_capture", "step_timer",
+            "hf_reference", "eviction_step")
 # Scores of the Triton kernels against their fp32 torch references (docs/gpu.md, "Tolerances"):
 # on a GPU the dots run on tensor cores (bf16/fp16 operands as they are, fp32 as tf32x3, fp32
 # accumulation in the MMA's own order and rounding, unknown until a GPU runs), so rtol 1e-3:
@@ -406,6 +413,16 @@ def kernels(ctx) -> dict:
             "benchmark_shapes": bench.__dict__, "rows": rows, "selections": selections}
 
 
+def sglang_decode(ctx) -> dict:
+    """SGLang's own Triton decode attention (exported without SGLang:
+    vase_sglang.serving.sglang_decode_attention) over rows as an eviction step leaves them, and
+    its output merged with the cell-attention kernel's under the global scope, against fp64
+    references (vase_sglang.serving.sglang_decode_check); cases past the budget are skipped."""
+    from .sglang_decode_check import section
+
+    return section(ctx.device, ctx.quick, ctx.remaining)
+
+
 def warm_up(ctx) -> dict:
     """`python -m vase_sglang.warmup` in two fresh processes (nothing compiled in memory) that
     share a fresh TRITON_CACHE_DIR: "first_start" compiles every kernel, "restart" finds them in
@@ -620,7 +637,7 @@ class Context:
 
 
 RUNNERS = {"environment": environment, "warm_up": warm_up, "kernels": kernels,
-           "graph_capture": graph_capture, "step_timer": step_timer,
+           "sglang_decode": sglang_decode, "graph_capture": graph_capture, "step_timer": step_timer,
            "hf_reference": hf_reference, "eviction_step": eviction_step}
 
 
