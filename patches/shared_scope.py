@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from vase_sglang.cells import CellMap, pack, select_shared
-from vase_sglang.ops.cell_attention import cell_attention, merge_attention
+from vase_sglang.ops.cell_attention import cell_attention, merge_attention, split_lse
 from vase_sglang.policies import POLICIES, Retention
 
 from . import runtime
@@ -190,21 +190,6 @@ def after_triton_metadata(ret, backend, forward_batch, *args, **kwargs):
     backend.get_num_kv_splits(num_kv_splits, plain, md.uneven_batch)
     md.num_kv_splits = num_kv_splits
     return ret
-
-
-def split_lse(attn_lse: torch.Tensor, kv_indptr: torch.Tensor, num_kv_splits: torch.Tensor,
-              min_block: int = 32) -> torch.Tensor:
-    """[B, H_q] the log-sum-exp of each request's logits over all its keys, from the per-split
-    log-sum-exps [B, H_q, S] that the stage-1 decode kernel of SGLang's Triton backend stores
-    (sglang/kernels/ops/attention/decode_attention.py: split s of a request of L keys read by
-    k splits holds keys [s·c, min((s+1)·c, L)), c = ⌈⌈L / k⌉ / 32⌉ · 32; a split with no key
-    stores nothing, and is left out here)."""
-    lens = (kv_indptr[1:] - kv_indptr[:-1]).long()[: attn_lse.shape[0], None]
-    splits = num_kv_splits.long()[: attn_lse.shape[0], None]
-    per_split = ((lens + splits - 1) // splits + min_block - 1) // min_block * min_block
-    first = torch.arange(attn_lse.shape[-1], device=attn_lse.device)[None] * per_split
-    valid = (first < lens)[:, None, :]  # [B, 1, S]
-    return torch.logsumexp(attn_lse.float().masked_fill(~valid, float("-inf")), dim=-1)
 
 
 def around_triton_forward_decode(original, backend, q, k, v, layer, forward_batch, *args,
