@@ -12,20 +12,24 @@ scope. Two pieces live here:
                          leaving tokens into the dropped cells (cells.pack), copy their K/V
                          and trimkv side values there, then rewrite the row and free the
                          leaving slots as a per-head step does (step._apply).
-  around_forward_decode  torch_native's decode attention: a request holding cells is
-                         recomputed per KV head over its prompt, its newest tokens and the
-                         cells it owns (read from any layer's buffer).
+  around_forward_decode  torch_native's decode attention: SGLang's SDPA loop skips the
+  around_sdpa_decode     requests holding cells, which are attended per KV head over their
+                         prompt, newest tokens and the cells they own (any layer's buffer).
+  after_triton_metadata  the triton backend's decode: SGLang's kernel reads a request holding
+  around_triton_forward_decode  cells over its plain tokens only, and the cell kernel's part
+                         is merged in through the log-sum-exp.
 
 Memory: the cell map (owner and position, int64 [L, K, H] each) is host-side request state,
 beside the row; a step holds one request's candidates' scores [L, n, H] and its leaving
 tokens' K/V [L, n - K, H, D] at a time, outside the step workspace (at Qwen2.5-0.5B's shapes,
-T = 64 and R = 16: 0.2 MiB). Served on CPU (torch_native), pages of 1, one rank, 16/32-bit
-K/V (supported.shared_scope_refusal); nothing here reads a device value on CUDA because it
-never runs there.
+T = 64 and R = 16: 0.2 MiB). Served on CPU (torch_native, and triton under Triton's
+interpreter), pages of 1, 16/32-bit K/V (supported.shared_scope_refusal); the hooks read
+device values on the host, which is why CUDA (graphs) stays refused.
 """
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +43,8 @@ from .state import STATE, pos_offset, state
 
 TARGET_DECODE = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
                  "forward_decode")
+TARGET_SDPA_DECODE = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
+                      "_run_sdpa_forward_decode")
 TARGET_TRITON_METADATA = ("sglang.srt.layers.attention.triton_backend.TritonAttnBackend."
                           "init_forward_metadata")
 TARGET_TRITON_DECODE = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_decode"
@@ -112,19 +118,28 @@ def forget(req) -> None:
         st.cells = None
 
 
+# The batch rows (forward order) whose decode attention SGLang's SDPA loop leaves to
+# around_forward_decode, set for the duration of one forward_decode call.
+_CELL_ROWS: contextvars.ContextVar = contextvars.ContextVar("vase_cell_rows", default=None)
+
+
 def around_forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
-    """AROUND TorchNativeAttnBackend.forward_decode: SGLang's decode attention for every
-    request (it also writes the new token's K/V), then, for each request holding cells, its
-    output recomputed per KV head over its prompt, its newest tokens and the cells it owns
-    (the older slots' columns of its row hold other heads' tokens at this layer)."""
-    out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    """AROUND TorchNativeAttnBackend.forward_decode: SGLang's decode (it writes the new token's
+    K/V) attends every request but those holding cells (around_sdpa_decode skips them); each
+    of those is attended here per KV head over its prompt, its newest tokens and the cells it
+    owns (the older slots' columns of its row hold other heads' tokens at this layer)."""
     rt = runtime.RUNTIME
     if rt is None or not rt.cell_views or layer.is_cross_attention:
-        return out
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     rows = forward_batch.req_pool_indices.tolist()
     hits = [(i, rt.cell_views[row]) for i, row in enumerate(rows) if row in rt.cell_views]
     if not hits:
-        return out
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    token = _CELL_ROWS.set(frozenset(i for i, _ in hits))
+    try:
+        out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    finally:
+        _CELL_ROWS.reset(token)
     lens = forward_batch.seq_lens.tolist()
     H = rt.shapes.kv_heads
     here = layer.layer_id - rt.start_layer
@@ -157,6 +172,27 @@ def around_forward_decode(original, backend, q, k, v, layer, forward_batch, *arg
                 query[:, None], keys.expand(group, -1, -1), values.expand(group, -1, -1),
                 scale=layer.scaling)[:, 0]
     return out
+
+
+def around_sdpa_decode(original, backend, query, output, k_cache, v_cache, req_to_token,
+                       req_pool_indices, seq_lens, *args, **kwargs):
+    """AROUND TorchNativeAttnBackend._run_sdpa_forward_decode (its per-request SDPA loop): in a
+    forward_decode whose batch has requests holding cells (_CELL_ROWS), only the other
+    requests are attended; the skipped ones' output rows are left to around_forward_decode
+    (no pass is computed and thrown away)."""
+    skip = _CELL_ROWS.get()
+    encoder_lens = args[0] if args else kwargs.get("encoder_lens")
+    if not skip or encoder_lens is not None:
+        return original(backend, query, output, k_cache, v_cache, req_to_token,
+                        req_pool_indices, seq_lens, *args, **kwargs)
+    rest = [i for i in range(seq_lens.shape[0]) if i not in skip]
+    if rest:
+        idx = torch.tensor(rest, device=query.device)
+        part = output[idx]  # query / output: [tokens, heads, dim], one token per request
+        original(backend, query[idx], part, k_cache, v_cache, req_to_token,
+                 req_pool_indices[idx], seq_lens[idx], *args, **kwargs)
+        output[idx] = part
+    return output
 
 
 def after_triton_metadata(ret, backend, forward_batch, *args, **kwargs):
@@ -224,5 +260,6 @@ def around_triton_forward_decode(original, backend, q, k, v, layer, forward_batc
 
 
 HOOKS = [(TARGET_DECODE, "AROUND", around_forward_decode),
+         (TARGET_SDPA_DECODE, "AROUND", around_sdpa_decode),
          (TARGET_TRITON_METADATA, "AFTER", after_triton_metadata),
          (TARGET_TRITON_DECODE, "AROUND", around_triton_forward_decode)]
