@@ -45,7 +45,7 @@ run starts no server. A folder's records refuse other settings (model, pool, len
 seeds, ...: config.json). `report` rebuilds the summary from the records at any time.
 
     python benchmarks/answers_per_hour.py run --model-path M --out results/answers_per_hour \\
-        --problems 60 --max-total-tokens 2048 --rounds 2 --rate 0.05 --multi-turn 40 \\
+        --problems 60 --max-total-tokens 2048 --rounds 3 --rate 0.03 --multi-turn 40 \\
         --arms stock vase-attnv:budget=128 vase-attnv:budget=64 ...
     python benchmarks/answers_per_hour.py report --out results/answers_per_hour
 
@@ -83,8 +83,9 @@ DEFAULT_ARMS = (STOCK, "vase-attnv:budget=128", "vase-attnv:budget=64",
 ACCURACY_MAX_NEW_TOKENS = acc.parse_args(["run", "--model-path", "-"]).max_new_tokens
 FOLLOW_UP = "Now double your answer.\n" + acc._answers.ANSWER_INSTRUCTION
 # what a record means beyond its arm, round and workload: a resume must not mix other settings
+# (and the processor: a CPU's decode step follows its batch curve, notes/2026-12-05-two-processors.md)
 RUN_IDENTITY = ("model_path", "task", "seed", "max_new_tokens", "max_total_tokens",
-                "max_running", "dtype", "threads", "server_args", "rate", "arrival_seed")
+                "max_running", "dtype", "threads", "server_args", "rate", "arrival_seed", "cpu")
 
 
 # ----------------------------------------------------------------------------- arms
@@ -342,6 +343,7 @@ def run_workload(server: BenchServer, arm: Arm, workload: str, rnd: int, a, prob
 def run(a) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    a.cpu = cs.machine_facts(a.threads)["cpu"]
     check_resume(out, a)
     (out / "config.json").write_text(json.dumps(config(a), indent=1))
     with open(out / "runs.jsonl", "a") as f:
@@ -622,6 +624,7 @@ def summarize(runs: dict, pids: dict[str, list[str]], arm_order: list[str] | Non
                  "peak_running": max((f["peak_running"] for f in figs
                                       if f["peak_running"] is not None), default=None),
                  "mean_running_by_round": [f["mean_running"] for f in figs],
+                 "finished_by_length_by_round": [f["finished_by_length"] for f in figs],
                  "retractions_by_round": [f["retractions"] for f in figs],
                  "retractions_logged_by_round": [f["retractions_logged"] for f in figs],
                  "eviction_share_by_round": [f["eviction_share"] for f in figs],
@@ -810,7 +813,10 @@ def parse_args(argv=None):
     r.add_argument("--rounds", type=int, default=1, help="paired rounds (more: resume adds them)")
     r.add_argument("--workloads", default="all,poisson",
                    help="comma list of all (every problem at once) and poisson (--rate)")
-    r.add_argument("--rate", type=float, default=0.05, help="poisson arrivals, requests/s")
+    r.add_argument("--rate", type=float, default=0.03,
+                   help="poisson arrivals, requests/s (default: above what the README's model "
+                        "answers a second with the full cache on a 2048-token pool, below what "
+                        "it answers with eviction: docs/answers_per_hour.md)")
     r.add_argument("--arrival-seed", type=int, default=0,
                    help="round r's arrivals are seeded with this + r")
     r.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS),

@@ -164,6 +164,7 @@ def test_summary_answers_per_hour_paired_ratio_tokens_and_mcnemar():
     # eviction share: 18 s of eviction in a 1800 s and a 3600 s round
     assert ev["eviction_share_by_round"] == pytest.approx([0.01, 0.005])
     assert stock["eviction_share_by_round"] == [None, None]
+    assert ev["finished_by_length_by_round"] == [0.0, 0.0]
     assert ev["peak_running"] == 3 and ev["processors"] == ["test cpu"]
     md = aph.markdown(s)
     assert "| stock | 2 |" in md and "8.00×" in md and "unfinished: poisson, stock" in md
@@ -292,5 +293,9 @@ def test_end_to_end_two_arms_and_resume(tiny_model_fp32, tmp_path):
     assert (out / "server-stock-r0.log").read_text().count("\n=== ") == 1
     with pytest.raises(SystemExit, match="max_new_tokens"):  # other settings: refused
         _run(tiny_model_fp32, out, ["stock", arm], ["--max-new-tokens", "30"])
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "cpu": "another processor"}))
+    with pytest.raises(SystemExit, match="cpu"):  # rounds paired across two batch curves: refused
+        _run(tiny_model_fp32, out, ["stock", arm])
     assert math.isfinite(json.loads((out / "summary.json").read_text())["workloads"]["all"]
                          ["stock"]["answers_per_hour"])
