@@ -50,6 +50,12 @@ def test_arms_are_named_with_their_defaults_and_checked(tmp_path):
     assert g.name == "trimkv:budget=64:window=16:budget-scope=global"
     assert g.flags(0, str(gates))[-4:] == ["--kv-evict-budget-scope", "global",
                                            "--kv-evict-retention-gates", str(gates.resolve())]
+    # a trimkv run's records name their gates: other gates are not resumed into them
+    rows = {"p0": {"kind": "request", "gates_sha256": "aaa"}}
+    aph.check_gates(rows, g, "aaa", tmp_path)
+    with pytest.raises(SystemExit, match="other retention gates"):
+        aph.check_gates(rows, g, "bbb", tmp_path)
+    aph.check_gates(rows, elastic, None, tmp_path)  # an arm without gates: not checked
     for bad in (["--arms", "vase-attnv"],  # no stock
                 ["--arms", "stock", "trimkv:budget=64"],  # no gates
                 ["--arms", "stock", "nosuch:budget=64"],
