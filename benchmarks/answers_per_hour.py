@@ -350,12 +350,10 @@ def run(a) -> dict:
         f.write(json.dumps({"started": time.strftime("%Y-%m-%d %H:%M:%S"), **config(a)}) + "\n")
     from transformers import AutoTokenizer
 
-    from vase_sglang.gates import gates_sha256
-
     tok = AutoTokenizer.from_pretrained(a.model_path)
     probs = load_problems(a)
     prompts = [acc.prompt_ids(tok, p) for p in probs]
-    gates_sha = gates_sha256(a.gates) if a.gates else None
+    gates_sha = a.gates_sha256
     for rnd in range(a.rounds):
         for arm in rotated(a.arm_list, rnd):
             todo = []
@@ -460,6 +458,9 @@ def parse_args(argv=None):
             ap.error("--arms: trimkv needs --gates FILE")
     if a.gates and not Path(a.gates).is_file():
         ap.error(f"--gates: no such file: {a.gates}")
+    from vase_sglang.gates import gates_sha256
+
+    a.gates_sha256 = gates_sha256(a.gates) if a.gates else None  # hashed once, in config.json
     if a.multi_turn:
         evicting = [x.name for x in a.arm_list if x.evicts]
         if a.multi_turn_arm is None:  # without an evicting arm, stock's alone

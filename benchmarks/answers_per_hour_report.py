@@ -413,9 +413,10 @@ def plot(summary: dict, out: Path) -> Path | None:
         bars(row[2], [table[n]["tokens_per_answer_mean"] for n in names], [None] * len(names),
              "output tokens per answer (bar: mean, dot: p90)", "tokens")
         row[2].plot(list(xs), [table[n]["tokens_per_answer_p90"] for n in names], "ko")
-    cfg = summary.get("config") or {}
-    fig.suptitle(f"{Path(str(cfg.get('model_path', ''))).name}: pool {cfg.get('max_total_tokens')} "
-                 f"tokens, {cfg.get('problems')} problems, natural stopping (greedy)")
+    cfg = summary.get("config")
+    if cfg:
+        fig.suptitle(f"{Path(str(cfg['model_path'])).name}: pool {cfg['max_total_tokens']} tokens, "
+                     f"{cfg['problems']} problems, natural stopping (greedy)")
     path = out / "answers_per_hour.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -7,6 +7,7 @@ garbage: the run checks the mechanics, not accuracy. The real-model run is a mea
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -45,8 +46,10 @@ def test_arms_are_named_with_their_defaults_and_checked(tmp_path):
                                                              a.arms[0]]
     gates = tmp_path / "g.safetensors"
     gates.write_bytes(b"x")
-    g = aph.parse_args(BASE + ["--arms", "stock", "trimkv:budget=64:budget-scope=global",
-                               "--gates", str(gates)]).arm_list[1]
+    ga = aph.parse_args(BASE + ["--arms", "stock", "trimkv:budget=64:budget-scope=global",
+                                "--gates", str(gates)])
+    g = ga.arm_list[1]
+    assert ga.gates_sha256 == hashlib.sha256(b"x").hexdigest()  # config.json names the gates
     assert g.name == "trimkv:budget=64:window=16:budget-scope=global"
     assert g.flags(0, str(gates))[-4:] == ["--kv-evict-budget-scope", "global",
                                            "--kv-evict-retention-gates", str(gates.resolve())]
