@@ -9,8 +9,11 @@ to every server it starts (whose environment is otherwise scrubbed of VASE_KV_EV
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
+import sys
 from pathlib import Path
 
 from vase_sglang.serving.launcher import CPU_FLAGS, Launcher, on_cuda, stop_process_group  # noqa: F401
@@ -49,3 +52,14 @@ class BenchServer(Launcher):
                          log_path=log_path, max_total_tokens=max_total_tokens,
                          max_running=max_running, teacher_forcing=teacher_forcing,
                          timeout=timeout)
+
+
+@contextlib.contextmanager
+def sigterm_exits():
+    """Within it a plain `kill` of a benchmark exits through its finally blocks (which stop its
+    servers) instead of leaving them running."""
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # the names other benchmarks and the tests use as accuracy.NAME
+from benchmarks._server import sigterm_exits  # noqa: E402
 from benchmarks.accuracy_harness import (  # noqa: E402, F401
     POLICIES, QUERY_POLICY, RETENTION_POLICIES, RUN_IDENTITY, SAMPLING, TF_K, Arm, Harness,
     Records, _evicted_total, check_resume, eviction_seed, gates_id, key, per_request_available,
@@ -188,12 +188,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    # a plain `kill` of a background run must still stop its server (finally blocks run)
-    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
+    with sigterm_exits():  # a plain `kill` of a background run must still stop its server
         return _main(a)
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def run_stages(h: Harness) -> dict:

@@ -551,8 +551,12 @@ def check_resume(out: Path, a) -> None:
         return
     old = json.loads(cfg_path.read_text())
     old["eviction_seed"] = eviction_seed(argparse.Namespace(**old))  # absent before the option
-    now = {**vars(a), "eviction_seed": eviction_seed(a)}
-    differ = {k: (old.get(k), now.get(k)) for k in RUN_IDENTITY
+    refuse_other_settings(out, old, {**vars(a), "eviction_seed": eviction_seed(a)}, RUN_IDENTITY)
+
+
+def refuse_other_settings(out: Path, old: dict, now: dict, identity) -> None:
+    """Stop where a setting of `identity` recorded in `old` (a folder's config) differs now."""
+    differ = {k: (old.get(k), now.get(k)) for k in identity
               if k in old and old.get(k) != now.get(k)}
     if differ:
         raise SystemExit(f"{out} holds records of a run with other settings "

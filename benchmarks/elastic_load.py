@@ -42,7 +42,6 @@ import argparse
 import json
 import math
 import random
-import signal
 import sys
 import threading
 import time
@@ -55,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import accuracy as acc  # noqa: E402
 from benchmarks import accuracy_stats as st  # noqa: E402
 from benchmarks import concurrency_scaling as cs  # noqa: E402
-from benchmarks._server import BenchServer  # noqa: E402
+from benchmarks._server import BenchServer, sigterm_exits  # noqa: E402
 
 ARMS = ("full", "fixed", "elastic", "elastic-trimkv")
 ARM_POLICY = {"fixed": "vase-attnv", "elastic": "vase-attnv", "elastic-trimkv": "trimkv"}
@@ -187,10 +186,21 @@ class LoadRun:
                "kv_min_budget": meta.get("kv_min_budget") if self.evicts else None}
         return row
 
+    def schedule(self) -> list[float]:
+        """Seconds after the run's start at which each problem's request is sent."""
+        return arrival_times(len(self.probs), self.rate, self.a.arrival_seed)
+
+    def request(self, i: int, arrival: float) -> dict:
+        """Serve problem i (greedy, streamed): its record row, without its finish time."""
+        payload = {"input_ids": self.prompts[i],
+                   "sampling_params": {"max_new_tokens": self.a.max_new_tokens, "temperature": 0.0}}
+        res = stream_generate(self.server.url, payload, timeout=self.a.request_timeout)
+        return self.request_row(i, res, arrival)
+
     def run(self) -> dict:
-        a, server = self.a, self.server
+        server = self.server
         server.flush_cache()  # no run reuses another run's prefills
-        times = arrival_times(len(self.probs), self.rate, a.arrival_seed)
+        times = self.schedule()
         before_text = server.get_text("/metrics")
         log_start = server.log_path.stat().st_size
         rows: list[dict | None] = [None] * len(self.probs)
@@ -202,17 +212,14 @@ class LoadRun:
             delay = t0 + times[i] - time.perf_counter()
             if delay > 0 and done.wait(delay):
                 return  # the run was stopped
-            payload = {"input_ids": self.prompts[i],
-                       "sampling_params": {"max_new_tokens": a.max_new_tokens, "temperature": 0.0}}
             try:
-                res = stream_generate(server.url, payload, timeout=a.request_timeout)
+                row = self.request(i, times[i])
             except BaseException as err:  # noqa: BLE001 - reported below with the server log
                 errors.append(err)
                 return
-            res["finished_at"] = time.perf_counter() - t0
-            rows[i] = self.request_row(i, res, times[i])
-            rows[i]["finished_at"] = round(res["finished_at"], 3)
-            self.records.add(rows[i])
+            row["finished_at"] = round(time.perf_counter() - t0, 3)
+            rows[i] = row
+            self.records.add(row)
 
         from tqdm import tqdm
 
@@ -588,16 +595,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally blocks stop servers
-    try:
+    with sigterm_exits():  # a kill stops the servers
         if a.cmd == "report":
             summary = report(Path(a.out), a.boot_iters)
         elif a.cmd == "tf":
             summary = run_tf(a)
         else:
             summary = run(a)
-    finally:
-        signal.signal(signal.SIGTERM, old)
     print(markdown(summary))
     return 0
 
