@@ -81,7 +81,8 @@ def around_profile(original, self, *args, **kwargs):
         if ring:
             reserve = (ring + 1) * kv_per_token
             logger.info("VaSE query ring beside the --max-total-tokens pool: reserving %.1f MiB "
-                        "(%d slots: a ring for every request the pool can run)",
+                        "(%d slots: a ring for every request the pool can run at the server's "
+                        "budget; a request finding none free waits for one)",
                         reserve / 2**20, ring)
             available -= reserve
     return available

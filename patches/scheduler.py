@@ -11,7 +11,7 @@ import torch
 
 from vase_sglang.elastic import freed_by_cut
 
-from . import footprint, metrics, runtime, shared_scope, state, step
+from . import footprint, metrics, ring, runtime, shared_scope, state, step
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -193,7 +193,7 @@ def around_release_kv_cache(original, req, tree_cache, *args, checkpoint, **kwar
     result = original(req, tree_cache, *args, checkpoint=checkpoint, **kwargs)
     rt = runtime.RUNTIME
     if rt is not None:
-        rt.free_ring(req)
+        ring.free(rt, req)
     return result
 
 
@@ -202,16 +202,18 @@ TARGET_PREPARE_EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepar
 
 def after_prepare_for_extend(result, batch, *args, **kwargs):
     """AFTER ScheduleBatch.prepare_for_extend (a prefill batch has its rows and slots): each
-    request whose policy scores with queries gets its query-ring slots from the pool
-    (vase_sglang/pool_ring.py), charged at admission (footprint.py), before the forward that
-    captures its prompt's last queries. A pool without room (admission charged them: not
-    expected) finishes that request with an error rather than serve it without its ring."""
+    request whose policy scores with queries gets its query-ring slots (ring.py), from the pool
+    (charged at admission, footprint.py) or from the ring storage beside it (admission made
+    the request wait for a free ring), before the forward that captures its prompt's last
+    queries. Where none is left (not expected) the request is finished with an error naming
+    what ran out, rather than served without its ring."""
     rt = runtime.RUNTIME
     if rt is not None and rt.ring_slots:
         for req in batch.reqs:
-            if not rt.allocate_ring(req, batch.tree_cache):
-                state.mark_failed(req, f"the KV cache pool had no {rt.ring_slots} slots left for "
-                                       "the request's query ring; the request was stopped")
+            short = ring.allocate(rt, req, batch.tree_cache)
+            if short is not None:
+                logger.error("request %s: %s", req.rid, short)
+                state.mark_failed(req, f"{short}; the request was stopped")
     return result
 
 

@@ -135,6 +135,13 @@ def _evictable(rt, batch, skip):
             # prefill result is processed, i.e. before the radix tree takes the prompt
             # (cache_protected_len is still the old match): the prompt would look private.
             continue
+        if (rt.ring_slots and state(req).ring_row is None
+                and POLICIES[cfg.policy].needs_queries):
+            # It was given no query ring (ring.need: its cache could never reach its budget)
+            # and yet is over it: scoring would read another row's queries. Not expected.
+            _warn_once(rt, "no ring", f"request {req.rid}: over its budget without a query "
+                       "ring: it is not evicted (nor any other such request; logged once)")
+            continue
         kv = req.kv
         if kv.kv_committed_len != kv.kv_allocated_len:
             continue  # only speculative decoding over-allocates; rejected at startup
@@ -142,14 +149,18 @@ def _evictable(rt, batch, skip):
             # The row rewrite and the page frees assume the private cache starts on a page
             # (the radix tree holds whole pages). Not seen in any tested setting; refused
             # rather than guessed at: the request keeps its whole cache.
-            if ("unaligned", 0) not in rt.warned:  # logged once
-                rt.warned.add(("unaligned", 0))
-                logger.warning("request %s: its shared prefix (%d tokens) does not end on a "
-                               "page of %d tokens: it is not evicted (nor any other such "
-                               "request; logged once)", req.rid, kv.cache_protected_len,
-                               rt.page_size)
+            _warn_once(rt, "unaligned", f"request {req.rid}: its shared prefix "
+                       f"({kv.cache_protected_len} tokens) does not end on a page of "
+                       f"{rt.page_size} tokens: it is not evicted (nor any other such request; "
+                       "logged once)")
             continue
         yield i, req, cfg, kv.kv_allocated_len - kv.cache_protected_len
+
+
+def _warn_once(rt, what: str, message: str) -> None:
+    if (what, 0) not in rt.warned:
+        rt.warned.add((what, 0))
+        logger.warning("%s", message)
 
 
 def _add(groups, i, req, cfg, private) -> None:
