@@ -146,6 +146,7 @@ def after_post_pool(result, model_runner):
         limits=server.limits,
         max_candidates=model_runner.model_config.context_len,
         query_dtype=query_ring_dtype(pool.dtype, model_runner.dtype),
+        tp_cpu_group=_tp_cpu_group(),
     )
     if retention is not None:
         _install_retention_gate(model_runner.model, layers)
@@ -159,6 +160,14 @@ def after_post_pool(result, model_runner):
     _prime_plans(runtime.RUNTIME)
     output.enable_in_scheduler()
     _log_enabled(runtime.RUNTIME)
+
+
+def _tp_cpu_group():
+    """The CPU group of the ranks that run this scheduler's batch (attention TP), or None."""
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+    group = get_attn_tp_group()
+    return group.cpu_group if group.world_size > 1 else None
 
 
 def check_pool(pool, layers=()) -> None:

@@ -26,7 +26,7 @@ class EvictionStats:
     slots_freed: int = 0
     seconds: float = 0.0  # host wall time of the steps (what the scheduler waited for)
     device_seconds: float = 0.0  # device time of the finished steps (StepTimer)
-    failures: int = 0  # requests finished because a step failed on them (step._fail)
+    failures: int = 0  # requests finished because a step failed on them (commit.fail, commit.agree)
 
 
 @dataclass
@@ -59,6 +59,9 @@ class EvictionRuntime:
     # request-table row -> shared_scope.CellView of each request holding cells (a shared
     # budget scope): what decode attention reads for it
     cell_views: dict = field(default_factory=dict)
+    # The attention-TP group's CPU (gloo) group where it has several ranks: they hold the same
+    # batch, and agree on the requests a step failed (commit.agree). None: one rank.
+    tp_cpu_group: object = None
 
     def __post_init__(self):
         k = self.k_buffers[0]
@@ -87,7 +90,7 @@ class EvictionRuntime:
             if self.retention is not None:
                 pointer_table(self.retention.log_beta, k.device)
                 pointer_table(self.retention.position, k.device)
-        # logged once: (policy, n) by step.plan_group, (stage, error type) by step._fail
+        # logged once: (policy, n) by step.plan_group, (stage, error type) by commit.fail
         self.warned: set[tuple[str, object]] = set()
         self.ring_held = 0  # pool slots the running requests' query rings hold
         self.timer = StepTimer(k.device)

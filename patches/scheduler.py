@@ -11,7 +11,7 @@ import torch
 
 from vase_sglang.elastic import freed_by_cut
 
-from . import footprint, metrics, ring, runtime, shared_scope, state, step
+from . import footprint, grouping, metrics, ring, runtime, shared_scope, state, step
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -41,7 +41,7 @@ def around_update_running_batch(original, self, batch):
                 logger.info("KV cache pool short for the next decode step: early eviction "
                             "freed %d slots", freed)
         if metrics.METRICS is not None:
-            metrics.METRICS.record_holdings(step.elastic_holdings(rt, batch, finishing))
+            metrics.METRICS.record_holdings(grouping.elastic_holdings(rt, batch, finishing))
     return original(self, batch)
 
 
@@ -54,7 +54,7 @@ def evict_due(scheduler, rt, batch, finishing) -> int:
     """Evict the requests of `batch` that are due (host state decides); returns the slots
     freed. Only a step that evicts orders the scheduler's stream after the forward in flight:
     a wait on every decode step would queue every next forward behind the previous one."""
-    groups = step.due_groups(rt, batch, skip=finishing)
+    groups = grouping.due_groups(rt, batch, skip=finishing)
     if not groups:
         return 0
     wait_for_forward(scheduler)
@@ -64,11 +64,11 @@ def evict_due(scheduler, rt, batch, finishing) -> int:
 def relieve_pressure(scheduler, rt, batch, finishing, shortfall: int, cause: str) -> int:
     """Free at least `shortfall` slots plus headroom for the next `window` decode steps of the
     batch (so that pressure does not return on every step) from the requests of `batch`
-    (step.pressure_groups: admission pressure cuts elastic requests only); returns the slots
+    (grouping.pressure_groups: admission pressure cuts elastic requests only); returns the slots
     freed."""
     staying = sum(1 for r in batch.reqs if r not in finishing)
     need = shortfall + rt.cfg.window * staying
-    groups, level = step.pressure_groups(rt, batch, finishing, need, _rank_of(scheduler),
+    groups, level = grouping.pressure_groups(rt, batch, finishing, need, _rank_of(scheduler),
                                          fixed=cause != step.ADMISSION_PRESSURE)
     if not groups:
         return 0
@@ -105,7 +105,7 @@ def around_get_new_batch_prefill(original, self, running_batch):
         return plan
     finishing = _finishing(self, batch)
     reclaimable = sum(freed_by_cut(h, 0, rt.page_size)
-                      for h in step.elastic_holdings(rt, batch, finishing))
+                      for h in grouping.elastic_holdings(rt, batch, finishing))
     if reclaimable >= shortfall[0]:
         freed = relieve_pressure(self, rt, batch, finishing, shortfall[0], step.ADMISSION_PRESSURE)
         if freed:

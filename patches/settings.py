@@ -255,6 +255,8 @@ def import_policy_modules(environ=os.environ) -> None:
             importlib.import_module(name)
         except ImportError as err:
             raise ValueError(f"VASE_KV_EVICT_PLUGINS: cannot import {name!r}: {err}") from None
+        except ValueError as err:  # register_policy refused one of its policies
+            raise ValueError(f"VASE_KV_EVICT_PLUGINS: module {name!r}: {err}") from None
 
 
 def _env_values(environ) -> dict[str, object]:

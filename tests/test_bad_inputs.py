@@ -176,6 +176,62 @@ def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, t
         in message, message
 
 
+SHARING_MODULE = """
+from vase_sglang import register_policy
+from vase_sglang.policies import SnapKVPolicy, TrimKVPolicy
+
+
+class {name}({base}):
+    shares_budget = True
+{body}
+
+register_policy("{policy}", {name})
+"""
+
+
+def test_a_shares_budget_policy_must_score_as_the_shared_scope_step_does(startup_error, tmp_path,
+                                                                          monkeypatch,
+                                                                          trimkv_gates_file):
+    """A user's module whose policy sets shares_budget but scores from K/V and queries (as
+    snapkv does): it used to register, pass every check, and fail every request at its first
+    shared-scope eviction (the step reads retention gates); now registering it stops the
+    launch naming what the shared-scope step needs (policies.shared_scope_refusal). A policy
+    that scores from retention as trimkv does, with its own score_streamed, is accepted and
+    may be asked for with a shared scope."""
+    import importlib
+    import sys
+
+    from vase_sglang import EvictionConfig
+    from vase_sglang.policies import POLICIES
+
+    (tmp_path / "user_sharing_snapkv.py").write_text(SHARING_MODULE.format(
+        name="SharingSnapKV", base="SnapKVPolicy", body="", policy="user-sharing-snapkv"))
+    (tmp_path / "user_sharing_age.py").write_text(SHARING_MODULE.format(
+        name="AgeOnly", base="TrimKVPolicy", policy="user-sharing-age", body=(
+            "    def score_streamed(self, candidates, queries, draws):\n"
+            "        return -self.retention.age.float().expand(candidates.shape)\n")))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = startup_error([], {"VASE_KV_EVICT_POLICY": "snapkv",
+                                 "VASE_KV_EVICT_PLUGINS": "user_sharing_snapkv"})
+    assert message is not None and (
+        "VASE_KV_EVICT_PLUGINS: module 'user_sharing_snapkv': policy: 'user-sharing-snapkv' sets "
+        "shares_budget, but a shared budget scope needs needs_retention") in message, message
+    assert "no needs_queries" in message and "user-sharing-snapkv" not in POLICIES
+    try:
+        gated = ["--kv-evict-policy", "user-sharing-age", "--kv-evict-retention-gates",
+                 str(trimkv_gates_file), "--kv-evict-budget-scope", "global",
+                 "--kv-evict-window", "16"]
+        assert startup_error(gated, {"VASE_KV_EVICT_PLUGINS": "user_sharing_age"}) is None
+        cfg = EvictionConfig(policy="user-sharing-age", budget=32, window=8,
+                             budget_scope="global")
+        assert cfg.shared_budget
+    finally:
+        POLICIES.pop("user-sharing-age", None)
+        for module in ("user_sharing_snapkv", "user_sharing_age"):
+            sys.modules.pop(module, None)
+    importlib.invalidate_caches()
+
+
 def test_good_settings_pass_the_startup_checks(startup_error):
     """The in-process checks above can pass: a good configuration goes through all of them."""
     assert startup_error(POLICY + ["--kv-evict-budget", "64", "--kv-evict-window", "8"], {}) is None

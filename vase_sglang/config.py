@@ -146,6 +146,12 @@ class EvictionConfig:
                     f"budget_scope: {self.budget_scope!r} needs a policy whose scores compare "
                     f"across heads ({', '.join(sharing) or 'none registered'}); {self.policy!r} "
                     "is served per head (docs/global_budget.md)")
+            from .policies import shared_scope_refusal
+
+            refusal = shared_scope_refusal(policy)  # register_policy refused it already
+            if refusal:
+                raise ValueError(f"budget_scope: policy {self.policy!r} sets shares_budget, "
+                                 f"but {refusal}")
             if self.elastic:
                 raise ValueError(f"budget_scope: {self.budget_scope!r} is served in fixed mode "
                                  "only (elastic cuts are not built for shared budgets)")

@@ -554,7 +554,39 @@ def register_policy(name: str, policy: type[Policy]) -> None:
         raise ValueError(f"policy: {policy!r} is not a Policy subclass")
     if name == "full" or (name in POLICIES and POLICIES[name] is not policy):
         raise ValueError(f"policy: the name {name!r} is taken")
+    refusal = shared_scope_refusal(policy)
+    if refusal:
+        raise ValueError(f"policy: {name!r} sets shares_budget, but {refusal}")
     POLICIES[name] = policy
+
+
+def shared_scope_refusal(policy: type[Policy]) -> str | None:
+    """Why `policy` (which sets shares_budget) cannot be served under a shared budget scope,
+    or None. The shared-scope step (patches/shared_scope.py, docs/add_policy.md) ranks every
+    candidate of a request's layers and heads at once from retention alone: it calls
+    score_streamed(candidates, None, None) with `candidates` of shape [L, n, H_kv] and
+    `retention` the log β and age of each, and takes the top of the raw scores. So it needs
+    needs_retention, a score_streamed of its own, no queries, no sampling and the base class's
+    select() and forced()."""
+    if not policy.shares_budget:
+        return None
+    owner = {name: next(k for k in policy.__mro__ if name in vars(k))
+             for name in ("score_streamed", "select", "forced")}
+    needs = []
+    if not policy.needs_retention:
+        needs.append("needs_retention (the shared-scope step scores from retention gates' log "
+                     "β and age only, never K/V)")
+    if policy.needs_queries:
+        needs.append("no needs_queries (it passes no queries)")
+    if policy.samples:
+        needs.append("no samples (it takes the top of the raw scores, draws nothing)")
+    if owner["score_streamed"] is Policy:
+        needs.append("a score_streamed (what it calls)")
+    if owner["select"] is not Policy or owner["forced"] is not Policy:
+        needs.append("the base select() and forced() (it ranks the scores itself)")
+    if not needs:
+        return None
+    return "a shared budget scope needs " + "; ".join(needs) + " (docs/add_policy.md)"
 
 
 # The user-facing values of --kv-evict-policy of a server without retention gates: "full" and
