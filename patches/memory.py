@@ -28,6 +28,13 @@ TARGET_PROFILE = (
 )
 
 
+def attention_layers(model):
+    """The model's RadixAttention layers (the KV pool's layers, in order)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return [m for m in model.modules() if isinstance(m, RadixAttention)]
+
+
 def query_ring_dtype(kv_cache_dtype, model_dtype):
     """The query ring's dtype, for its cost and its allocation: the KV cache's (queries are
     scored against keys stored at that precision), or the model's where the KV cache is not a
@@ -55,14 +62,13 @@ def around_profile(original, self, *args, **kwargs):
     less the step workspace, trimkv's side buffers and the extend capture's token rows (in
     that order)."""
     available = original(self, *args, **kwargs)
-    from .model_runner import _attention_layers
     from .settings import current
 
     server = current()
     cfg = server.config
     if cfg is None or not cfg.evicts or self.is_draft_worker:
         return available
-    layers = _attention_layers(self.model)
+    layers = attention_layers(self.model)
     if not layers:
         return available
     shapes = kv_shapes(layers, self.kv_cache_dtype, cfg.window, self.model_dtype)

@@ -13,6 +13,7 @@ from vase_sglang.ops import FP8_KV_DTYPES
 from vase_sglang.policies import POLICIES, AttentionParams
 
 from . import output, runtime, settings, state
+from .memory import attention_layers as _attention_layers
 from .memory import query_ring_dtype
 
 logger = logging.getLogger("vase_sglang.eviction")
@@ -25,12 +26,6 @@ TARGET_FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatc
 # Not a class patch: a torch forward pre-hook on each instance that owns a RadixAttention
 # (installed by after_post_pool with --kv-evict-retention-gates), e.g.
 TARGET_RETENTION_GATE = "sglang.srt.models.qwen3.Qwen3Attention.forward (and Qwen2's, Llama's)"
-
-
-def _attention_layers(model):
-    from sglang.srt.layers.radix_attention import RadixAttention
-
-    return [m for m in model.modules() if isinstance(m, RadixAttention)]
 
 
 def check_attention_layers(layers, pool_head_num: int, pool_head_dim: int,

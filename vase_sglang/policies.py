@@ -30,14 +30,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from . import ops, rng
-from .config import EvictionConfig
 from .stream_select import (TensorCandidates, cur_leverage_streamed, mean_cosine_streamed,
-                            value_range_streamed, window_attention_streamed)
+                            mean_cosine_to_others, value_range_streamed,
+                            window_attention_streamed)
+
+if TYPE_CHECKING:  # annotations only: config.py imports this module (the registry)
+    from .config import EvictionConfig
 
 
 def top_indices(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -397,29 +400,6 @@ class RKVPolicy(SnapKVPolicy):
         redundancy = torch.softmax(mean_cosine_streamed(candidates), dim=-1)
         lam = self.cfg.rkv_lambda
         return lam * importance - (1.0 - lam) * redundancy
-
-
-def mean_cosine_to_others(keys: torch.Tensor) -> torch.Tensor:
-    """[..., n, D] -> [..., n] float32: sum over j != i of cos(k_i, k_j), divided by n (the
-    mean over a row of the cosine matrix with its diagonal zeroed, as R-KV computes it).
-
-    Without the n x n matrix: with unit rows u (normalize gives 0 for a zero key, whose
-    cosines are then 0), sum_{j != i} u_i.u_j = u_i . sum_j u_j - u_i.u_i, in O(n D) memory."""
-    unit = unit_keys(keys)
-    total = unit.sum(dim=-2, keepdim=True)  # [..., 1, D]
-    return cosine_to_others(unit, total, keys.shape[-2])
-
-
-def unit_keys(keys: torch.Tensor) -> torch.Tensor:
-    """[..., n, D] float32 keys scaled to unit norm (a zero key stays zero)."""
-    return torch.nn.functional.normalize(keys.float(), dim=-1)
-
-
-def cosine_to_others(unit: torch.Tensor, total: torch.Tensor, n: int) -> torch.Tensor:
-    """mean_cosine_to_others of the unit keys `unit` [..., c, D] (some or all of the n
-    candidates), given total [..., 1, D], the sum of all n unit keys."""
-    with_self = torch.matmul(unit, total.transpose(-1, -2)).squeeze(-1)
-    return (with_self - (unit * unit).sum(dim=-1)) / n
 
 
 @dataclass(frozen=True)
