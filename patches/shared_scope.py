@@ -92,7 +92,7 @@ def evict_one(rt, cfg, n: int, sinks: int, req) -> tuple[torch.Tensor, torch.Ten
 def _select(rt, cfg, n: int, sinks: int, req, row_slots):
     """Score every candidate of the scope (its K cells, then the leaving slots) with the
     policy and keep the scope's total (cells.select_shared). The shared-scope contract
-    (policies.shared_scope_refusal, docs/add_policy.md): the policy scores from retention, as
+    (Policy.shares_budget_refusal, docs/add_policy.md): the policy scores from retention, as
     score_streamed(candidates, None, None) with `candidates` of shape [L, n, H] and its
     `retention` the log β and age of every candidate [L, n, H]; no K/V, queries or draws."""
     K, L, H = cfg.keep, rt.num_layers, rt.shapes.kv_heads
