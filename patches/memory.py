@@ -91,7 +91,35 @@ def around_profile(original, self, *args, **kwargs):
                         "budget; a request finding none free waits for one)",
                         reserve / 2**20, ring)
             available -= reserve
+        available -= _reserve_ring_table(shapes, cfg.window, ring,
+                                         get_schedule().page_size or 1,
+                                         get_schedule().max_running_requests)
     return available
+
+
+def ring_table_rows(max_running_requests: int | None) -> int:
+    """The most rows SGLang's request table can have, known before the pool is sized: its
+    max_num_reqs (KVCacheConfigurator.resolve_max_num_reqs: the user's
+    --max-running-requests, else at most 4096) plus its padding row."""
+    return (max_running_requests or 4096) + 1
+
+
+def _reserve_ring_table(shapes, window: int, storage: int, page_size: int,
+                        max_running_requests: int | None) -> int:
+    """The query ring's slot table, int64 [request rows, slots per request]
+    (model_runner._query_buffers), and the free list of its storage beside the pool (int64,
+    one per slot), reserved like the other buffers beside the pool."""
+    from vase_sglang.pool_ring import slots_per_request
+
+    per_request = slots_per_request(window, shapes.q_heads, shapes.head_dim, shapes.q_dtype,
+                                    shapes.kv_heads, shapes.kv_dtype.itemsize,
+                                    1 if storage else page_size)
+    rows = ring_table_rows(max_running_requests)
+    reserve = (rows * per_request + storage) * 8
+    logger.info("VaSE query-ring slot table: reserving %.1f MiB (at most %d request rows x %d "
+                "slots, int64%s)", reserve / 2**20, rows, per_request,
+                f"; the storage's free list, {storage} slots" if storage else "")
+    return reserve
 
 
 def ring_storage_slots(server, shapes, max_total_tokens: int | None, page_size: int) -> int:

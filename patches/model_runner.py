@@ -283,6 +283,8 @@ def _log_enabled(rt) -> None:
                 f"{rt.ring_storage.size} in its own storage")
     else:
         ring = f"query ring: {rt.ring_slots} pool slots per request"
+    if queries is not None:
+        ring += f", slot table {list(queries.table.shape)}"
     logger.info(
         "VaSE eviction on: %s (%s whose policy reads queries, %s; token rows %.1f MiB; step "
         "workspace %.1f MiB = %.1f MiB buffer + %.1f MiB for temporaries; KV heads from %d; "

@@ -158,3 +158,17 @@ def test_a_request_that_cannot_reach_its_budget_holds_no_ring(server, tokenizer)
     long, long_peak = alone(3 * BUDGET)
     assert long["meta_info"]["kv_evicted_tokens"] > 0
     assert long_peak >= len(prompt) + BUDGET + RING, (long_peak, len(prompt))
+
+
+@pytest.mark.parametrize("fixture", ["server", "radix_off_server"])
+def test_the_rings_slot_table_is_counted_before_the_pool_is_sized(request, fixture):
+    """The table of every request row's ring slots (int64, on the device) is reserved with the
+    other buffers beside the pool, for at least as many rows as the request table gets: in
+    the pool (pages of the pool) and beside it (the storage's free list too)."""
+    log = request.getfixturevalue(fixture).output()
+    reserved = re.search(r"VaSE query-ring slot table: reserving [0-9.]+ MiB \(at most (\d+) "
+                         r"request rows x (\d+) slots, int64", log)
+    built = re.search(r"slot table \[(\d+), (\d+)\]", log)
+    assert reserved and built, log[-3000:]
+    assert int(reserved.group(1)) >= int(built.group(1)) > 1
+    assert int(reserved.group(2)) == int(built.group(2)) == RING
