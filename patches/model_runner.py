@@ -283,13 +283,12 @@ def _log_enabled(rt) -> None:
                 f"{rt.ring_storage.size} in its own storage")
     else:
         ring = f"query ring: {rt.ring_slots} pool slots per request"
-    if queries is not None:
-        ring += f", slot table {list(queries.table.shape)}"
+    table = "" if queries is None else f"; slot table {list(queries.table.shape)}"
     logger.info(
-        "VaSE eviction on: %s (%s whose policy reads queries, %s; token rows %.1f MiB; step "
+        "VaSE eviction on: %s (%s whose policy reads queries, %s%s; token rows %.1f MiB; step "
         "workspace %.1f MiB = %.1f MiB buffer + %.1f MiB for temporaries; KV heads from %d; "
         "%s)",
-        rt.cfg, ring, None if queries is None else queries.dtype, rows_mb,
+        rt.cfg, ring, None if queries is None else queries.dtype, table, rows_mb,
         workspace.size / 2**20, workspace.buffer_bytes / 2**20, workspace.headroom / 2**20,
         rt.kv_head_offset, rt.attention,
     )
