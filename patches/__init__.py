@@ -1,42 +1,42 @@
 """SGLang hooks of vase-sglang (this folder imports as `vase_sglang_patches`).
 
 SGLang calls `register()` (entry point group `sglang.srt.plugins`) at the start of every one of
-its processes. Each module here hooks one SGLang subsystem and lists its exact targets:
+its processes. Each module here hooks one SGLang subsystem and lists its exact targets
+(`planned_hooks` plans them; tests/test_docs.py checks this table and docs/hooks.md, which says
+why each is hooked, against it):
 
-  server_args   ServerArgs.add_cli_args / from_cli_args / resolve_once   flags, validation
-                                                                         (the allowlist in
-                                                                         supported.py)
-  memory        KVCacheConfigurator._resolve_memory_pool_config          the memory plan:
-                KVCacheConfigurator._profile_available_bytes             workspace and query
-                KVCacheConfigurator.resolve_max_num_reqs                 ring reserved, rows
-                                                                         capped to the pool
-  model_runner  ModelRunner._init_post_memory_pool_components            eviction runtime
-                RadixAttention.forward                                   query capture
-                ForwardBatch.init_new                                    RoPE positions,
-                                                                         extend token rows
-  scheduler     Scheduler._create_generation_req                         per-request settings,
-                                                                         abort if unusable
-                Scheduler.update_running_batch                           the eviction step,
-                                                                         early when memory is short
-                ScheduleBatch._get_decode_retraction_order               uncompacted retracted first
-                Req.reset_for_retract                                    retraction
-                mem_cache.common.release_kv_cache                        compacted slots stay
-                                                                         out of the radix tree
-                Req._compute_max_prefix_len,                             a re-prefilled request's
-                UnifiedRadixCache.checkpoint                             outputs stay private
-  footprint     PrefillAdder.add_one_req / add_chunked_req,              capped footprints
-                PrefillAdder._check_prefill_budget / _update_prefill_budget,  (code shapes they
-                PrefillAdder._get_running_request_total_token_offset     rely on: SHAPES)
-  output        SchedulerOutputStreamer / TokenizerManager               meta_info count
-  request_control  SamplingParams.verify                                 per-request kv_evict,
-                                                                         HTTP 400 on bad values
-                                                                         and on beam search
-                TokenizerManager._validate_one_request                   400 on out-of-vocab ids
-  metrics       Scheduler.init_metrics_collector                         Prometheus vase:* metrics
-  shared_scope  TorchNativeAttnBackend.forward_decode                    attention over cells
-                                                                         (shared budget scopes)
-  rotary_cpu    RotaryEmbedding.__init__                                 CPU serving without vllm
-  distributed_cpu  GroupCoordinator.__init__                             CPU tensor parallel (gloo)
+| module | target (sglang 0.5.23) | what for |
+|---|---|---|
+| server_args | `ServerArgs.add_cli_args`, `.from_cli_args`, `.resolve_once` | flags, validation |
+| memory | `KVCacheConfigurator._profile_available_bytes` | workspace reserved first |
+| model_runner | `ModelRunner._init_post_memory_pool_components` | the eviction runtime |
+| | `RadixAttention.forward` | query capture |
+| | `ForwardBatch.init_new` | RoPE positions, extend rows |
+| scheduler | `Scheduler.init_overlap` | overlap needs a forward stream |
+| | `Scheduler._create_generation_req` | per-request settings |
+| | `Scheduler.get_new_batch_prefill` | admission pressure |
+| | `Scheduler.update_running_batch` | the eviction step |
+| | `ScheduleBatch._get_decode_retraction_order` | uncompacted retracted first |
+| | `Req.reset_for_retract` | retraction resets the state |
+| | `release_kv_cache` | compacted slots stay out of the tree |
+| | `ScheduleBatch.prepare_for_extend` | query ring slots (ring.py) |
+| | `SchedulerInvariantChecker._get_total_uncached_sizes` | ring slots counted |
+| | `Req._compute_max_prefix_len`, `UnifiedRadixCache.checkpoint` | outputs stay private |
+| footprint | `PrefillAdder.add_one_req`, `.add_chunked_req`, `._check_prefill_budget` | charges |
+| | `PrefillAdder._update_prefill_budget`, `._get_running_request_total_token_offset` | |
+| output | `SchedulerOutputStreamer.build_additional_customized_info` | meta_info count |
+| | `TokenizerManager.update_request_meta_info` | |
+| request_control | `SamplingParams.verify` | kv_evict values, HTTP 400 |
+| | `TokenizerManager._validate_one_request` | out-of-vocabulary ids |
+| | `GenerateReqInput._handle_parallel_sampling` | bounded n |
+| metrics | `Scheduler.init_metrics_collector` | vase:* metrics |
+| shared_scope | `TorchNativeAttnBackend.forward_decode` | attention over cells |
+| rotary_cpu | `RotaryEmbedding.__init__` | CPU serving without vllm |
+| distributed_cpu | `GroupCoordinator.__init__` | CPU tensor parallel (gloo) |
+
+The other modules hook nothing: settings (the flags' values), runtime (the per-process state),
+state (a request's), ring (its query ring), grouping / step / commit (the eviction step),
+supported (the flag allowlist), timing.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ import re
 
 from vase_sglang.rows import round_up_to_pages
 
+from . import ring, runtime
 from .state import request_config
 
 ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
@@ -77,6 +78,9 @@ SHAPES = [
      "the new request's total is passed as the keyword total_tokens"),
     (ADDER, "def ceil_paged_tokens(self, tokens: int) -> int:",
      "admission pressure prices a refused request's prompt with it"),
+    (ADDER, "self.can_run_list = []",
+     "a request waits for a query ring beside the pool counting the rings of those admitted "
+     "before it in the round (ring.waits)"),
     (ADDER, "def rem_total_tokens(self):", "admission pressure's shortfall is measured against it"),
     (ADDER, "def cur_rem_tokens(self):", "admission pressure's shortfall is measured against it"),
     (TARGET_UPDATE_BUDGET,
@@ -133,6 +137,14 @@ def around_add_one_req(original, self, req, *args, **kwargs):
     """AROUND PrefillAdder.add_one_req."""
     cfg = request_config(req)
     charge = None if cfg is None else charge_len(cfg, self.page_size)
+    rt = runtime.RUNTIME
+    if charge is not None and rt is not None and ring.waits(rt, req, _radix(self),
+                                                            self.can_run_list):
+        # No ring left beside the pool for it: it waits in the queue, as for a full pool
+        # (SGLang reopens admission when a running request leaves, which frees its ring).
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.NO_TOKEN
     if charge is None:
         result = original(self, req, *args, **kwargs)
     else:
@@ -178,7 +190,7 @@ def _record_shortfall(adder, req, result, charge: int | None) -> None:
     extend = len(req.full_untruncated_fill_ids) - req.prefix_len
     cost = adder.ceil_paged_tokens(extend) + reserved + adder.page_size
     if charge is not None:
-        cost += ring_charge(req)
+        cost += ring_charge(req, _radix(adder))
     shortfall = cost - min(adder.rem_total_tokens, adder.cur_rem_tokens)
     if shortfall > 0:
         holder.append(int(shortfall))
@@ -203,7 +215,7 @@ def around_check_prefill_budget(original, self, req, *args, total_tokens, **kwar
     if admitting is not None and admitting[0] is req:
         reserved = self._swa_new_tokens(req)
         total_tokens -= reserved - min(reserved, admitting[1])
-        total_tokens += ring_charge(req)
+        total_tokens += ring_charge(req, _radix(self))
     return original(self, req, *args, total_tokens=total_tokens, **kwargs)
 
 
@@ -212,18 +224,18 @@ def around_update_prefill_budget(original, self, prefix_len, extend_input_len, m
     """AROUND PrefillAdder._update_prefill_budget: reserve at most the charge."""
     admitting = _ADMITTING.get()
     if admitting is not None:
-        max_new_tokens = min(max_new_tokens, admitting[1]) + ring_charge(admitting[0])
+        max_new_tokens = (min(max_new_tokens, admitting[1])
+                          + ring_charge(admitting[0], _radix(self)))
     return original(self, prefix_len, extend_input_len, max_new_tokens, *args, **kwargs)
 
 
-def ring_charge(req) -> int:
-    """Pool slots the query ring of `req` takes when it is admitted (0 where its policy reads
-    no queries, or it holds its ring already): charged like prompt tokens, since they are
-    allocated with its prefill (scheduler.after_prepare_for_extend)."""
-    from . import runtime
-
+def ring_charge(req, radix: bool) -> int:
+    """Pool slots the query ring of `req` takes when it is admitted (ring.charge: 0 where its
+    policy reads no queries, it holds its ring already, or the rings live beside the pool):
+    charged like prompt tokens, since they are allocated with its prefill
+    (scheduler.after_prepare_for_extend)."""
     rt = runtime.RUNTIME
-    return 0 if rt is None else rt.ring_charge(req)
+    return 0 if rt is None else ring.charge(rt, req, radix)
 
 
 def around_running_offset(original, self, req):

@@ -28,6 +28,13 @@ TARGET_PROFILE = (
 )
 
 
+def attention_layers(model):
+    """The model's RadixAttention layers (the KV pool's layers, in order)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return [m for m in model.modules() if isinstance(m, RadixAttention)]
+
+
 def query_ring_dtype(kv_cache_dtype, model_dtype):
     """The query ring's dtype, for its cost and its allocation: the KV cache's (queries are
     scored against keys stored at that precision), or the model's where the KV cache is not a
@@ -55,14 +62,13 @@ def around_profile(original, self, *args, **kwargs):
     less the step workspace, trimkv's side buffers and the extend capture's token rows (in
     that order)."""
     available = original(self, *args, **kwargs)
-    from .model_runner import _attention_layers
     from .settings import current
 
     server = current()
     cfg = server.config
     if cfg is None or not cfg.evicts or self.is_draft_worker:
         return available
-    layers = _attention_layers(self.model)
+    layers = attention_layers(self.model)
     if not layers:
         return available
     shapes = kv_shapes(layers, self.kv_cache_dtype, cfg.window, self.model_dtype)
@@ -81,10 +87,39 @@ def around_profile(original, self, *args, **kwargs):
         if ring:
             reserve = (ring + 1) * kv_per_token
             logger.info("VaSE query ring beside the --max-total-tokens pool: reserving %.1f MiB "
-                        "(%d slots: a ring for every request the pool can run)",
+                        "(%d slots: a ring for every request the pool can run at the server's "
+                        "budget; a request finding none free waits for one)",
                         reserve / 2**20, ring)
             available -= reserve
+        available -= _reserve_ring_table(shapes, cfg.window, ring,
+                                         get_schedule().page_size or 1,
+                                         get_schedule().max_running_requests)
     return available
+
+
+def ring_table_rows(max_running_requests: int | None) -> int:
+    """The most rows SGLang's request table can have, known before the pool is sized: its
+    max_num_reqs (KVCacheConfigurator.resolve_max_num_reqs: the user's
+    --max-running-requests, else at most 4096) plus its padding row."""
+    return (max_running_requests or 4096) + 1
+
+
+def _reserve_ring_table(shapes, window: int, storage: int, page_size: int,
+                        max_running_requests: int | None) -> int:
+    """The query ring's slot table, int64 [request rows, slots per request]
+    (model_runner._query_buffers), and the free list of its storage beside the pool (int64,
+    one per slot), reserved like the other buffers beside the pool."""
+    from vase_sglang.pool_ring import slots_per_request
+
+    per_request = slots_per_request(window, shapes.q_heads, shapes.head_dim, shapes.q_dtype,
+                                    shapes.kv_heads, shapes.kv_dtype.itemsize,
+                                    1 if storage else page_size)
+    rows = ring_table_rows(max_running_requests)
+    reserve = (rows * per_request + storage) * 8
+    logger.info("VaSE query-ring slot table: reserving %.1f MiB (at most %d request rows x %d "
+                "slots, int64%s)", reserve / 2**20, rows, per_request,
+                f"; the storage's free list, {storage} slots" if storage else "")
+    return reserve
 
 
 def ring_storage_slots(server, shapes, max_total_tokens: int | None, page_size: int) -> int:

@@ -13,6 +13,7 @@ from vase_sglang.ops import FP8_KV_DTYPES
 from vase_sglang.policies import POLICIES, AttentionParams
 
 from . import output, runtime, settings, state
+from .memory import attention_layers as _attention_layers
 from .memory import query_ring_dtype
 
 logger = logging.getLogger("vase_sglang.eviction")
@@ -25,12 +26,6 @@ TARGET_FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatc
 # Not a class patch: a torch forward pre-hook on each instance that owns a RadixAttention
 # (installed by after_post_pool with --kv-evict-retention-gates), e.g.
 TARGET_RETENTION_GATE = "sglang.srt.models.qwen3.Qwen3Attention.forward (and Qwen2's, Llama's)"
-
-
-def _attention_layers(model):
-    from sglang.srt.layers.radix_attention import RadixAttention
-
-    return [m for m in model.modules() if isinstance(m, RadixAttention)]
 
 
 def check_attention_layers(layers, pool_head_num: int, pool_head_dim: int,
@@ -146,6 +141,7 @@ def after_post_pool(result, model_runner):
         limits=server.limits,
         max_candidates=model_runner.model_config.context_len,
         query_dtype=query_ring_dtype(pool.dtype, model_runner.dtype),
+        tp_cpu_group=_tp_cpu_group(),
     )
     if retention is not None:
         _install_retention_gate(model_runner.model, layers)
@@ -159,6 +155,14 @@ def after_post_pool(result, model_runner):
     _prime_plans(runtime.RUNTIME)
     output.enable_in_scheduler()
     _log_enabled(runtime.RUNTIME)
+
+
+def _tp_cpu_group():
+    """The CPU group of the ranks that run this scheduler's batch (attention TP), or None."""
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+    group = get_attn_tp_group()
+    return group.cpu_group if group.world_size > 1 else None
 
 
 def check_pool(pool, layers=()) -> None:
@@ -279,11 +283,12 @@ def _log_enabled(rt) -> None:
                 f"{rt.ring_storage.size} in its own storage")
     else:
         ring = f"query ring: {rt.ring_slots} pool slots per request"
+    table = "" if queries is None else f"; slot table {list(queries.table.shape)}"
     logger.info(
-        "VaSE eviction on: %s (%s whose policy reads queries, %s; token rows %.1f MiB; step "
+        "VaSE eviction on: %s (%s whose policy reads queries, %s%s; token rows %.1f MiB; step "
         "workspace %.1f MiB = %.1f MiB buffer + %.1f MiB for temporaries; KV heads from %d; "
         "%s)",
-        rt.cfg, ring, None if queries is None else queries.dtype, rows_mb,
+        rt.cfg, ring, None if queries is None else queries.dtype, table, rows_mb,
         workspace.size / 2**20, workspace.buffer_bytes / 2**20, workspace.headroom / 2**20,
         rt.kv_head_offset, rt.attention,
     )

@@ -18,6 +18,7 @@ The scheduler re-derives the config from the same dict (`effective_config`) once
 from __future__ import annotations
 
 import time
+import weakref
 from collections import OrderedDict
 
 from vase_sglang import EvictionConfig
@@ -140,44 +141,83 @@ def check_limits(changes: dict, cfg: EvictionConfig, server: EvictionConfig,
 
 
 class RecentSettings:
-    """The distinct per-request settings a server served lately, at most `limit` besides its
-    own: one more is admitted only in place of one unused for `idle_seconds`. So a step is
-    never split into more than limit + 1 settings groups for long, and step costs are traced
-    for at most `limit` new settings per `idle_seconds` (vase_sglang/plan.py caches them)."""
+    """The distinct per-request settings a server serves, at most `limit` besides its own: one
+    more is admitted only in place of one that no queued or running request uses (`in_use`)
+    and that nobody asked for in `idle_seconds`. So a step is never split into more than
+    limit + 1 settings groups, however long its requests run, and step costs are traced for at
+    most `limit` new settings per `idle_seconds` (vase_sglang/plan.py caches them)."""
 
     def __init__(self, idle_seconds: float = SETTINGS_IDLE_SECONDS, clock=time.monotonic):
         self.idle_seconds, self.clock = idle_seconds, clock
         self.last_used: OrderedDict = OrderedDict()  # settings -> when last asked for
 
-    def admit(self, settings, limit: int) -> bool:
+    def admit(self, settings, limit: int, in_use=frozenset) -> bool:
+        """Whether `settings` may be served; in_use() -> the settings of the requests queued
+        or running now (read only when a place must be freed)."""
         now = self.clock()
         if settings in self.last_used:
             self.last_used.move_to_end(settings)
         elif len(self.last_used) >= limit:
-            oldest, used = next(iter(self.last_used.items()))
-            if now - used < self.idle_seconds:
+            live = in_use()
+            free = next((old for old, used in self.last_used.items()
+                         if now - used >= self.idle_seconds and old not in live), None)
+            if free is None:
                 return False
-            del self.last_used[oldest]
+            del self.last_used[free]
         self.last_used[settings] = now
         return True
 
 
 RECENT = RecentSettings()  # of this process (the tokenizer manager, or one of its workers)
+# This process's TokenizerManager (a weak reference, set by after_validate_one_request): its
+# rid_to_state holds every request it has queued or running.
+_MANAGER = None
+_UNSET = object()
+
+
+def live_settings(manager, server, limits) -> set:
+    """The settings (seed aside) of every request `manager` has queued or running, the
+    server's own included; each request's parsed once (kept on its state)."""
+    out = set()
+    for st in list(getattr(manager, "rid_to_state", {}).values()):
+        settings = getattr(st, "_vase_settings", _UNSET)
+        if settings is _UNSET:
+            settings = _settings_of(getattr(st, "obj", None), server, limits)
+            try:
+                st._vase_settings = settings
+            except AttributeError:
+                pass
+        if settings is not None:
+            out.add(settings)
+    return out
+
+
+def _settings_of(obj, server, limits):
+    sampling = getattr(obj, "sampling_params", None)
+    custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
+    try:
+        cfg = effective_config(custom, server.config, published_page_size(),
+                               server.gates_path is not None, limits)
+    except ValueError:
+        return None
+    return None if cfg is None else cfg.replace(seed=0)
 
 
 def check_distinct(cfg: EvictionConfig | None, server: EvictionConfig, limits: RequestLimits,
-                   recent: RecentSettings = RECENT) -> None:
+                   recent: RecentSettings = RECENT, in_use=frozenset) -> None:
     """Refuse a request whose settings would be one more than limits.max_settings distinct
-    ones in recent use (the seed is free: requests differing only there share a group)."""
+    ones in use (queued or running, in_use()) or asked for lately (the seed is free:
+    requests differing only there share a group)."""
     if cfg is None:
         return
     settings = cfg.replace(seed=0)
-    if settings == server.replace(seed=0) or recent.admit(settings, limits.max_settings):
+    if settings == server.replace(seed=0) or recent.admit(settings, limits.max_settings, in_use):
         return
     _fail(None, f"this server serves at most {limits.max_settings} distinct eviction settings "
-                f"besides its own at a time ({flag_name(MAX_SETTINGS)}), and each was used in "
-                f"the last {recent.idle_seconds:g} s; use the server's settings or one of "
-                "those, or retry later")
+                f"besides its own at a time ({flag_name(MAX_SETTINGS)}), and each is used by a "
+                f"queued or running request or was asked for in the last "
+                f"{recent.idle_seconds:g} s; use the server's settings or one of those, or "
+                "retry later")
 
 
 def after_verify(result, self, *args, **kwargs):
@@ -194,7 +234,9 @@ def after_verify(result, self, *args, **kwargs):
         if beam and cfg is not None:
             refuse_beam_search(self.beam_width)
         if server.evicts:
-            check_distinct(cfg, server.config, server.limits)
+            manager = _MANAGER() if _MANAGER is not None else None
+            check_distinct(cfg, server.config, server.limits,
+                           in_use=lambda: live_settings(manager, server, server.limits))
     return result
 
 
@@ -247,7 +289,10 @@ TARGET_VALIDATE_REQUEST = (
 def after_validate_one_request(result, self, obj, input_ids, *args, **kwargs):
     """AFTER TokenizerManager._validate_one_request: a token id outside the vocabulary would
     crash the scheduler in the embedding lookup and take the whole server down (SGLang 0.5.23
-    does not check `input_ids`); refuse it as a bad request (HTTP 400) instead."""
+    does not check `input_ids`); refuse it as a bad request (HTTP 400) instead. Also keeps a
+    weak reference to the manager, whose queued and running requests check_distinct counts."""
+    global _MANAGER
+    _MANAGER = weakref.ref(self)
     embeds = getattr(obj, "input_embeds", None)
     if input_ids is not None and len(input_ids) == 0 and embeds is None:
         # SGLang 0.5.23 runs a prompt of no tokens (text "" with a tokenizer that adds none)

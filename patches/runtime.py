@@ -26,7 +26,7 @@ class EvictionStats:
     slots_freed: int = 0
     seconds: float = 0.0  # host wall time of the steps (what the scheduler waited for)
     device_seconds: float = 0.0  # device time of the finished steps (StepTimer)
-    failures: int = 0  # requests finished because a step failed on them (step._fail)
+    failures: int = 0  # requests finished because a step failed on them (commit.fail, commit.agree)
 
 
 @dataclass
@@ -59,6 +59,9 @@ class EvictionRuntime:
     # request-table row -> shared_scope.CellView of each request holding cells (a shared
     # budget scope): what decode attention reads for it
     cell_views: dict = field(default_factory=dict)
+    # The attention-TP group's CPU (gloo) group where it has several ranks: they hold the same
+    # batch, and agree on the requests a step failed (commit.agree). None: one rank.
+    tp_cpu_group: object = None
 
     def __post_init__(self):
         k = self.k_buffers[0]
@@ -87,7 +90,7 @@ class EvictionRuntime:
             if self.retention is not None:
                 pointer_table(self.retention.log_beta, k.device)
                 pointer_table(self.retention.position, k.device)
-        # logged once: (policy, n) by step.plan_group, (stage, error type) by step._fail
+        # logged once: (policy, n) by step.plan_group, (stage, error type) by commit.fail
         self.warned: set[tuple[str, object]] = set()
         self.ring_held = 0  # pool slots the running requests' query rings hold
         self.timer = StepTimer(k.device)
@@ -109,76 +112,11 @@ class EvictionRuntime:
         table = getattr(self.queries, "table", None)
         return 0 if table is None else table.shape[1]
 
-    def ring_charge(self, req) -> int:
-        """Pool slots admitting `req` takes for its query ring (ring_need), where the rings
-        are held in the pool."""
-        if self.ring_storage is not None:
-            return 0  # beside the pool (memory.ring_storage_slots)
-        return self.ring_need(req)
-
     @property
     def ring_storage(self):
-        """The ring's own slot list beside a --max-total-tokens pool; None: in the pool."""
+        """The ring's own slot list beside a --max-total-tokens pool; None: in the pool
+        (who holds which slots: ring.py)."""
         return getattr(self.queries, "storage", None)
-
-    def ring_need(self, req) -> int:
-        """Ring slots `req` needs now: none where its policy reads no queries, where it holds
-        them already, or where it can never be evicted (prompt + max_new_tokens within its
-        budget: every cut keeps at least the budget)."""
-        from vase_sglang.policies import POLICIES
-
-        from .state import request_config, state
-
-        cfg = request_config(req)
-        if not self.ring_slots or cfg is None or state(req).ring_row is not None:
-            return 0
-        if not POLICIES[cfg.policy].needs_queries:
-            return 0
-        max_new = req.sampling_params.max_new_tokens
-        if max_new is not None and len(req.origin_input_ids) + max_new <= cfg.budget:
-            return 0
-        return self.ring_slots
-
-    def allocate_ring(self, req, tree_cache) -> bool:
-        """Give `req` (with its request-table row) its ring slots: from the KV pool, evicting
-        from the radix tree first as any allocation does, or from the ring's own storage;
-        False: no room (admission charged them, and the storage holds a ring for every
-        request the pool can run: not expected; the caller finishes the request)."""
-        from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-        from .state import state
-
-        need = self.ring_need(req)
-        if not need:
-            return True
-        if self.ring_storage is not None:
-            slots = self.ring_storage.alloc(need)
-        else:
-            evict_from_tree_cache(tree_cache, need)
-            slots = self.allocator.alloc(need)
-        if slots is None:
-            return False
-        row = req.kv.req_pool_idx
-        self.queries.table[row, :need] = slots.to(self.queries.table.dtype)
-        state(req).ring_row = row
-        if self.ring_storage is None:
-            self.ring_held += need  # in the pool: SGLang's memory check counts them
-        return True
-
-    def free_ring(self, req) -> None:
-        """Give `req`'s ring slots back (finish, abort, retraction) and point its table row
-        at the padding slot again."""
-        from .state import state
-
-        st = state(req)
-        if st.ring_row is None:
-            return
-        row = self.queries.table[st.ring_row]
-        (self.ring_storage or self.allocator).free(row.clone())
-        row.zero_()
-        if self.ring_storage is None:
-            self.ring_held -= self.ring_slots
-        st.ring_row = None
 
     def capture_queries(self, layer_id: int, q: torch.Tensor, forward_batch) -> None:
         """Write the post-RoPE queries of the last `window` positions of each request into the

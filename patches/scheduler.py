@@ -11,7 +11,7 @@ import torch
 
 from vase_sglang.elastic import freed_by_cut
 
-from . import footprint, metrics, runtime, shared_scope, state, step
+from . import footprint, grouping, metrics, ring, runtime, shared_scope, state, step
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -41,7 +41,7 @@ def around_update_running_batch(original, self, batch):
                 logger.info("KV cache pool short for the next decode step: early eviction "
                             "freed %d slots", freed)
         if metrics.METRICS is not None:
-            metrics.METRICS.record_holdings(step.elastic_holdings(rt, batch, finishing))
+            metrics.METRICS.record_holdings(grouping.elastic_holdings(rt, batch, finishing))
     return original(self, batch)
 
 
@@ -54,7 +54,7 @@ def evict_due(scheduler, rt, batch, finishing) -> int:
     """Evict the requests of `batch` that are due (host state decides); returns the slots
     freed. Only a step that evicts orders the scheduler's stream after the forward in flight:
     a wait on every decode step would queue every next forward behind the previous one."""
-    groups = step.due_groups(rt, batch, skip=finishing)
+    groups = grouping.due_groups(rt, batch, skip=finishing)
     if not groups:
         return 0
     wait_for_forward(scheduler)
@@ -64,11 +64,11 @@ def evict_due(scheduler, rt, batch, finishing) -> int:
 def relieve_pressure(scheduler, rt, batch, finishing, shortfall: int, cause: str) -> int:
     """Free at least `shortfall` slots plus headroom for the next `window` decode steps of the
     batch (so that pressure does not return on every step) from the requests of `batch`
-    (step.pressure_groups: admission pressure cuts elastic requests only); returns the slots
+    (grouping.pressure_groups: admission pressure cuts elastic requests only); returns the slots
     freed."""
     staying = sum(1 for r in batch.reqs if r not in finishing)
     need = shortfall + rt.cfg.window * staying
-    groups, level = step.pressure_groups(rt, batch, finishing, need, _rank_of(scheduler),
+    groups, level = grouping.pressure_groups(rt, batch, finishing, need, _rank_of(scheduler),
                                          fixed=cause != step.ADMISSION_PRESSURE)
     if not groups:
         return 0
@@ -105,7 +105,7 @@ def around_get_new_batch_prefill(original, self, running_batch):
         return plan
     finishing = _finishing(self, batch)
     reclaimable = sum(freed_by_cut(h, 0, rt.page_size)
-                      for h in step.elastic_holdings(rt, batch, finishing))
+                      for h in grouping.elastic_holdings(rt, batch, finishing))
     if reclaimable >= shortfall[0]:
         freed = relieve_pressure(self, rt, batch, finishing, shortfall[0], step.ADMISSION_PRESSURE)
         if freed:
@@ -193,7 +193,7 @@ def around_release_kv_cache(original, req, tree_cache, *args, checkpoint, **kwar
     result = original(req, tree_cache, *args, checkpoint=checkpoint, **kwargs)
     rt = runtime.RUNTIME
     if rt is not None:
-        rt.free_ring(req)
+        ring.free(rt, req)
     return result
 
 
@@ -202,16 +202,18 @@ TARGET_PREPARE_EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepar
 
 def after_prepare_for_extend(result, batch, *args, **kwargs):
     """AFTER ScheduleBatch.prepare_for_extend (a prefill batch has its rows and slots): each
-    request whose policy scores with queries gets its query-ring slots from the pool
-    (vase_sglang/pool_ring.py), charged at admission (footprint.py), before the forward that
-    captures its prompt's last queries. A pool without room (admission charged them: not
-    expected) finishes that request with an error rather than serve it without its ring."""
+    request whose policy scores with queries gets its query-ring slots (ring.py), from the pool
+    (charged at admission, footprint.py) or from the ring storage beside it (admission made
+    the request wait for a free ring), before the forward that captures its prompt's last
+    queries. Where none is left (not expected) the request is finished with an error naming
+    what ran out, rather than served without its ring."""
     rt = runtime.RUNTIME
     if rt is not None and rt.ring_slots:
         for req in batch.reqs:
-            if not rt.allocate_ring(req, batch.tree_cache):
-                state.mark_failed(req, f"the KV cache pool had no {rt.ring_slots} slots left for "
-                                       "the request's query ring; the request was stopped")
+            short = ring.allocate(rt, req, batch.tree_cache)
+            if short is not None:
+                logger.error("request %s: %s", req.rid, short)
+                state.mark_failed(req, f"{short}; the request was stopped")
     return result
 
 

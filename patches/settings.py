@@ -111,8 +111,9 @@ SERVER_FLAGS = {
           "group is one batched selection). Default: the minimum window.",
     MAX_SETTINGS: "Distinct per-request eviction settings (policy, budget, window, value_slots, "
                   "sinks, mode; the seed is free) a server serves besides its own at a time: a "
-                  "request bringing one more, while each of these was used in the last "
-                  f"{SETTINGS_IDLE_SECONDS} s, gets HTTP 400. Bounds how many groups a step is "
+                  "request bringing one more, while each of these is used by a queued or "
+                  f"running request or was asked for in the last {SETTINGS_IDLE_SECONDS} s, "
+                  "gets HTTP 400. Bounds how many groups a step is "
                   "split into and how many step costs are traced. Default "
                   f"{DEFAULT_MAX_SETTINGS} (per tokenizer worker).",
     PROMPT_LEN: "No longer used: the query ring is held in the pool's own slots by the "
@@ -255,6 +256,8 @@ def import_policy_modules(environ=os.environ) -> None:
             importlib.import_module(name)
         except ImportError as err:
             raise ValueError(f"VASE_KV_EVICT_PLUGINS: cannot import {name!r}: {err}") from None
+        except ValueError as err:  # register_policy refused one of its policies
+            raise ValueError(f"VASE_KV_EVICT_PLUGINS: module {name!r}: {err}") from None
 
 
 def _env_values(environ) -> dict[str, object]:

@@ -39,6 +39,7 @@ from vase_sglang.ops.cell_attention import cell_attention, merge_attention, spli
 from vase_sglang.policies import POLICIES, Retention
 
 from . import runtime
+from .commit import COMPACT, PACK, SELECT, StepFailure
 from .state import STATE, pos_offset, state
 
 TARGET_DECODE = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
@@ -72,12 +73,41 @@ def evict_one(rt, cfg, n: int, sinks: int, req) -> tuple[torch.Tensor, torch.Ten
     """Select and pack one request's candidates under cfg.budget_scope; returns its row's
     slots before the rewrite ([n + R]) and the new cell map's view, the K/V and side values
     already moved (the caller rewrites the row and frees the leaving slots: step._apply).
-    Raises on a selection that does not fill the holes (cells.pack's check)."""
-    K, L, H = cfg.keep, rt.num_layers, rt.shapes.kv_heads
+    Raises commit.StepFailure naming the stage: select (scoring and the scope's selection),
+    pack (a selection that does not fill the holes: cells.pack's check) or compact (the
+    copies into cells); nothing has moved before the copies."""
+    K, H = cfg.keep, rt.shapes.kv_heads
     row, prefix = req.kv.req_pool_idx, req.kv.cache_protected_len
     device = rt.req_to_token.device
     row_slots = rt.req_to_token[row, prefix + torch.arange(n + cfg.window, device=device)].long()
     older, leaving = row_slots[:K], row_slots[K:n]
+    st = state(req)
+    try:
+        keep, position, cells = _select(rt, cfg, n, sinks, req, row_slots)
+    except Exception as err:
+        raise StepFailure(SELECT, err) from err
+    try:
+        packed, moves = pack(cells, position[0, K:, 0], keep[:, :K], keep[:, K:],
+                             check=device.type == "cpu")
+    except Exception as err:
+        raise StepFailure(PACK, err) from err
+    try:
+        move_kept(rt, moves, older, leaving, K, H)
+    except Exception as err:
+        raise StepFailure(COMPACT, err) from err
+    st.cells = packed
+    order, offsets = packed.segments()
+    return row_slots, CellView(prefix, K, older, order, offsets.tolist(), offsets)
+
+
+def _select(rt, cfg, n: int, sinks: int, req, row_slots):
+    """Score every candidate of the scope (its K cells, then the leaving slots) with the
+    policy and keep the scope's total (cells.select_shared). The shared-scope contract
+    (Policy.shares_budget_refusal, docs/add_policy.md): the policy scores from retention, as
+    score_streamed(candidates, None, None) with `candidates` of shape [L, n, H] and its
+    `retention` the log β and age of every candidate [L, n, H]; no K/V, queries or draws."""
+    K, L, H = cfg.keep, rt.num_layers, rt.shapes.kv_heads
+    prefix = req.kv.cache_protected_len
     r = rt.retention
     # every candidate's log β and true position: [L, n, H], the K cells then the leaving slots
     log_beta = torch.stack([lb[row_slots[:n], :, 0] for lb in r.log_beta])
@@ -90,23 +120,25 @@ def evict_one(rt, cfg, n: int, sinks: int, req) -> tuple[torch.Tensor, torch.Ten
     policy = POLICIES[cfg.policy](cfg, attention=rt.attention,
                                   retention=Retention(log_beta, (now - position).float()))
     score = policy.score_streamed(log_beta, None, None).float().clone()
+    if score.shape != log_beta.shape:
+        raise ValueError(f"policy {cfg.policy!r}: scored a shared scope as {tuple(score.shape)}, "
+                         f"not [layers, candidates, KV heads] {tuple(log_beta.shape)}")
     score = score.masked_fill(position < prefix + sinks, float("inf"))  # sinks: always kept
     keep = select_shared(score, owner, position, K, cfg.budget_scope)
-    cells = CellMap(cells.owner, position[:, :K], cfg.budget_scope)
-    packed, moves = pack(cells, position[0, K:, 0], keep[:, :K], keep[:, K:],
-                         check=device.type == "cpu")
-    # the kept leaving tokens into their cells: K, V, log β, position, one destination layer
-    # at a time (sources and destinations are disjoint slots)
+    return keep, position, CellMap(cells.owner, position[:, :K], cfg.budget_scope)
+
+
+def move_kept(rt, moves, older, leaving, K: int, H: int) -> None:
+    """The kept leaving tokens into their cells: K, V, log β, position, one destination layer
+    at a time (sources and destinations are disjoint slots)."""
+    r = rt.retention
     dst_layer, dst_slot = moves.dst // (K * H), older[(moves.dst // H) % K]
     dst_head = moves.dst % H
     for buffers in (rt.k_buffers, rt.v_buffers, r.log_beta, r.position):
         moved = torch.stack([b[leaving] for b in buffers])  # [L, n - K, H, ...]
-        for layer in range(L):
+        for layer in range(len(buffers)):
             sel = moves.valid & (dst_layer == layer)
             buffers[layer][dst_slot[sel], dst_head[sel]] = moved[sel]
-    st.cells = packed
-    order, offsets = packed.segments()
-    return row_slots, CellView(prefix, K, older, order, offsets.tolist(), offsets)
 
 
 def forget(req) -> None:

@@ -31,6 +31,7 @@ class RequestEviction:
     token_crc: int = 0
     min_budget: int | None = None  # the smallest budget it was cut to (meta_info), None: never
     failed: bool = False  # an eviction step failed on it: never evicted again, being finished
+    failed_stage: str | None = None  # where (commit.STAGES), told to the other TP ranks
     ring_row: int | None = None  # the request-table row whose query-ring slots it holds
     # under a shared budget scope: who owns each cell of its K older slots (cells.CellMap;
     # patches/shared_scope.py); None: the plain layout

@@ -1,14 +1,15 @@
 """The eviction step on a running decode batch, as a pipeline of small stages:
 
-  1. group    which requests are due (scheduled, or under memory pressure:  host only
-              pressure_groups), grouped by (settings, n, sinks)
+  1. group    which requests are due (scheduled, or under memory pressure:  grouping.py,
+              pressure_groups), grouped by (settings, n, sinks)             host only
   2. plan     requests x layers per chunk (and candidates per chunk) that   vase_sglang.plan
               fit the workspace
   3. per chunk of requests: stage ids, then per chunk of layers:
               gather -> select -> compact                                   vase_sglang.chunk
   4. rewrite  the rows' new layout, a pure function of (n, K, R, pages)     vase_sglang.rows
   5. apply    row writes or K/V copies, then free the dropped pages         here
-  6. update   request state, KV lengths, the batch's seq_lens               here, state.py
+  6. commit   request state, KV lengths, the batch's seq_lens; or roll      commit.py
+              back and finish the chunk's requests; TP ranks agree on them
 
 A request is due when its private cache (tokens not owned by the radix tree) holds
 n + window tokens with n >= budget, after its first decode step (its prefill result has been
@@ -21,7 +22,9 @@ rewrite) before the first device write of the step, so what can fail on the host
 anything moves. Stages 3-5 run per chunk of requests, and a chunk's requests are committed
 (lengths, state) only after their pages are freed: an exception raised there restores their
 rows, and finishes those requests (their KV is no longer what it was) with an error naming the
-stage; every other request keeps its KV and the server keeps serving (docs/reliability.md).
+stage; every other request keeps its KV and the server keeps serving; under tensor
+parallelism every rank finishes the requests any rank failed (commit.py,
+docs/reliability.md).
 
 Memory: stages 2-3 stream over chunks inside the workspace reserved at startup, so a step's
 extra memory is bounded (docs/memory.md). Nothing in the step reads a device value on the host
@@ -41,13 +44,14 @@ from vase_sglang import ops
 from vase_sglang.plan import (MIN_CANDIDATE_CHUNK, StepPlan, cut_samples, group_bytes, plan_step,
                               step_cost)
 from vase_sglang.chunk import CompactionError, evict_chunk, gather_layout
-from vase_sglang.elastic import Holding, freed_by_cut, water_fill
 from vase_sglang.policies import POLICIES
 from vase_sglang.rows import RowRewrite, freed_slots, rewrite_row
 
 from . import metrics, shared_scope
-from .state import (failed, mark_failed, pos_offset, record_eviction, request_config, request_key,
-                    state)
+from .grouping import due_groups
+from .commit import (COMPACT, PLAN, REWRITE, SELECT, STAGE, StepFailure, agree, commit, fail,
+                     pinned, restore_rows, update_batch_lengths)
+from .state import failed, pos_offset, request_config, request_key, state
 
 logger = logging.getLogger("vase_sglang.eviction")
 
@@ -61,106 +65,6 @@ def evict(rt, batch, skip=()) -> int:
     return run(rt, batch, due_groups(rt, batch, skip))
 
 
-# -- 1. group ----------------------------------------------------------------------------------
-
-def due_groups(rt, batch, skip=()) -> dict:
-    """The requests of `batch` this step evicts on schedule (their private cache reached
-    trigger_len: budget + window in fixed mode, ceiling + window in elastic mode), grouped by
-    their effective settings (per-request overrides) and by (n, sinks), so each group is one
-    batched select + compaction. Host state only: nothing runs on the device."""
-    groups: dict[tuple, list[int]] = {}
-    for i, req, cfg, private in _evictable(rt, batch, skip):
-        if cfg.trigger_len is not None and private >= cfg.trigger_len:
-            _add(groups, i, req, cfg.replace(budget=cfg.scheduled_budget, ceiling=None), private)
-    return groups
-
-
-def pressure_groups(rt, batch, skip, need: int, rank_of=lambda req: 0,
-                    fixed: bool = True) -> tuple[dict, int | None]:
-    """Memory pressure (the next decode step, or a waiting request, does not fit): the groups
-    that free it, and the lowest level an elastic request is cut to (None: none is).
-    With `fixed`, every fixed-mode request at least half a window (and a page) over its
-    budget is cut back to it, due or not: an early eviction instead of a retraction, all at
-    once rather than just enough for one step, so the pool has room for many steps and the
-    requests stay in phase (the next eviction is again one batched group). A smaller cut
-    would cost a whole scoring pass for a few slots, on every step of a pool that stays
-    short; such requests are cut on schedule, within half a window. Admission pressure passes
-    fixed=False: a waiting request is no reason to cut fixed caches early. Elastic requests
-    are water-filled (vase_sglang/elastic.py) to free what is still needed of `need` slots;
-    rank_of(req): lower ranks lose tokens first."""
-    groups: dict[tuple, list[int]] = {}
-    freed = 0
-    holdings, elastic = [], []
-    for i, req, cfg, private in _evictable(rt, batch, skip):
-        if cfg.elastic:
-            holdings.append(Holding(private, cfg.budget, cfg.window, rank_of(req)))
-            elastic.append((i, req, cfg, private))
-        # Cut back to its budget where that frees enough (with pages, dropping fewer tokens
-        # than separate its length from the last page boundary frees nothing).
-        elif fixed and (cut := freed_by_cut(Holding(private, cfg.budget, cfg.window), 0,
-                                            rt.page_size)) >= min_fixed_cut(cfg, rt.page_size):
-            _add(groups, i, req, cfg, private)
-            freed += cut
-    levels = water_fill(holdings, need - freed, rt.page_size) if need > freed else {}
-    for j, level in levels.items():
-        i, req, cfg, private = elastic[j]
-        _add(groups, i, req, cfg.replace(budget=level, ceiling=None), private)
-    return groups, (min(levels.values()) if levels else None)
-
-
-def min_fixed_cut(cfg, page_size: int) -> int:
-    """The fewest slots a pressure cut of a fixed-mode request must free: half a window,
-    at least a page."""
-    return max(page_size, cfg.window // 2)
-
-
-def elastic_holdings(rt, batch, skip=()) -> list[Holding]:
-    """The elastic requests of `batch` as the water-filling sees them (for metrics and for
-    what admission pressure may reclaim)."""
-    return [Holding(private, cfg.budget, cfg.window)
-            for _i, _req, cfg, private in _evictable(rt, batch, skip) if cfg.elastic]
-
-
-def _evictable(rt, batch, skip):
-    """(index, req, its settings, its private tokens) of every request of `batch` the step
-    may evict now."""
-    for i, req in enumerate(batch.reqs):
-        if req in skip or req.kv.req_pool_idx is None or failed(req):
-            continue
-        cfg = request_config(req)
-        if cfg is None:
-            continue  # eviction off for this request
-        if req.decode_batch_idx < 1:
-            # Under the overlap scheduler the first decode step is prepared before the
-            # prefill result is processed, i.e. before the radix tree takes the prompt
-            # (cache_protected_len is still the old match): the prompt would look private.
-            continue
-        kv = req.kv
-        if kv.kv_committed_len != kv.kv_allocated_len:
-            continue  # only speculative decoding over-allocates; rejected at startup
-        if kv.cache_protected_len % rt.page_size:
-            # The row rewrite and the page frees assume the private cache starts on a page
-            # (the radix tree holds whole pages). Not seen in any tested setting; refused
-            # rather than guessed at: the request keeps its whole cache.
-            if ("unaligned", 0) not in rt.warned:  # logged once
-                rt.warned.add(("unaligned", 0))
-                logger.warning("request %s: its shared prefix (%d tokens) does not end on a "
-                               "page of %d tokens: it is not evicted (nor any other such "
-                               "request; logged once)", req.rid, kv.cache_protected_len,
-                               rt.page_size)
-            continue
-        yield i, req, cfg, kv.kv_allocated_len - kv.cache_protected_len
-
-
-def _add(groups, i, req, cfg, private) -> None:
-    """Request i, cut back to cfg.budget, into its group."""
-    n = private - cfg.window  # candidates: all private tokens but the newest window
-    sinks = max(0, cfg.sinks - req.kv.cache_protected_len)
-    # Seeds are passed per request (a tensor): requests differing only in their seed share a
-    # group, so a client's many seeds do not split a step into small ones.
-    groups.setdefault((cfg.replace(seed=0), n, sinks), []).append(i)
-
-
 def run(rt, batch, groups: dict, cause: str = SCHEDULED) -> int:
     """Evict `groups` (from due_groups or pressure_groups) of `batch`; returns the slots
     freed."""
@@ -171,20 +75,22 @@ def run(rt, batch, groups: dict, cause: str = SCHEDULED) -> int:
     freed = 0
     new_lens = {}
     evictions, tokens = rt.stats.evictions, rt.stats.tokens_evicted
+    failed_before = {req for req in batch.reqs if failed(req)}
     prepared = []  # every group planned and staged before the step writes anything
     for key, members in groups.items():
         reqs = [batch.reqs[i] for i in members]
         try:
             group = _prepare_group(rt, key, members, reqs)
         except Exception as err:  # noqa: BLE001  contained: these requests fail, no others
-            _fail(rt, reqs, PLAN, err)
+            fail(rt, reqs, PLAN, err)
             continue
         if group is not None:
             prepared.append(group)
     for group in prepared:
         freed += _evict_group(rt, batch, group, new_lens)
+    agree(rt, batch, failed_before)  # every TP rank finishes the same requests
     if new_lens:
-        _update_batch_lengths(batch, new_lens)
+        update_batch_lengths(batch, new_lens)
     batch.batch_is_full = False  # admission was closed on a full pool; it has room now
     rt.timer.stop()
     elapsed = time.perf_counter() - start
@@ -201,19 +107,6 @@ def run(rt, batch, groups: dict, cause: str = SCHEDULED) -> int:
             ", ".join(f"{batch.reqs[i].rid}: kv {n}" for i, n in new_lens.items()),
         )
     return freed
-
-
-# Where a step can fail, as named in a failed request's finish reason (and by fault injection
-# in tests/fault_policy.py).
-PLAN, STAGE, SELECT, COMPACT, REWRITE = "plan", "stage", "select", "compact", "rewrite"
-
-
-class StepFailure(Exception):
-    """An exception inside the step, with the stage it came from."""
-
-    def __init__(self, stage: str, cause: BaseException):
-        super().__init__(f"{stage}: {type(cause).__name__}: {cause}")
-        self.stage, self.cause = stage, cause
 
 
 class Group(NamedTuple):
@@ -251,7 +144,7 @@ def _prepare_group(rt, key, members, reqs) -> Group | None:
 def _evict_group(rt, batch, group: Group, new_lens) -> int:
     """Evict one group, a chunk of requests at a time; returns the slots freed (a host
     count: nothing is read back). A chunk that fails is rolled back and its requests finished
-    with an error (_fail); the chunks before it stay committed."""
+    with an error (commit.fail); the chunks before it stay committed."""
     cfg, n = group.cfg, group.n
     if cfg.shared_budget:
         return _evict_shared(rt, group, new_lens)
@@ -263,23 +156,11 @@ def _evict_group(rt, batch, group: Group, new_lens) -> int:
             k = _evict_requests(rt, cfg, n, group.sinks, group.plan, group.rewrite,
                                 *(column[part] for column in group.ids))
         except Exception as err:  # noqa: BLE001  contained: this chunk's requests fail
-            _fail(rt, reqs, SELECT, err)
+            fail(rt, reqs, SELECT, err)
             continue
-        _commit(rt, cfg, n, k, group.members[part], reqs, new_lens)
+        commit(rt, cfg, n, k, group.members[part], reqs, new_lens)
         freed += freed_slots(n, k, cfg.window, rt.page_size) * len(reqs)
     return freed
-
-
-def _commit(rt, cfg, n, k, members, reqs, new_lens) -> None:
-    """-- 6. update: the requests' lengths and state (the batch's lengths in run)."""
-    dropped = n - k
-    rt.stats.tokens_evicted += dropped * len(reqs)
-    rt.stats.evictions += len(reqs)
-    for i, req in zip(members, reqs):
-        req.kv.kv_allocated_len -= dropped
-        req.kv.kv_committed_len -= dropped
-        record_eviction(req, dropped, cfg.budget)
-        new_lens[i] = req.kv.kv_allocated_len
 
 
 def _evict_shared(rt, group: Group, new_lens) -> int:
@@ -294,7 +175,7 @@ def _evict_shared(rt, group: Group, new_lens) -> int:
         try:
             row_slots, view = shared_scope.evict_one(rt, cfg, n, group.sinks, req)
         except Exception as err:  # noqa: BLE001  contained: this request fails
-            _fail(rt, [req], COMPACT if isinstance(err, CompactionError) else SELECT, err)
+            fail(rt, [req], SELECT, err)  # evict_one's StepFailure names its own stage
             continue
         rows = torch.tensor([req.kv.req_pool_idx], device=device)
         starts = torch.tensor([req.kv.cache_protected_len], device=device)
@@ -302,32 +183,13 @@ def _evict_shared(rt, group: Group, new_lens) -> int:
             _apply(rt, rewrite, rows, starts, row_slots[None], None)
         except Exception as err:  # noqa: BLE001
             cols = starts[:, None] + torch.arange(row_slots.shape[0], device=device)
-            rt.req_to_token[rows[:, None], cols] = row_slots[None].to(rt.req_to_token.dtype)
-            _fail(rt, [req], REWRITE, err)
+            restore_rows(rt, rows, cols, row_slots[None])
+            fail(rt, [req], REWRITE, err)
             continue
         rt.cell_views[req.kv.req_pool_idx] = view
-        _commit(rt, cfg, n, cfg.keep, [i], [req], new_lens)
+        commit(rt, cfg, n, cfg.keep, [i], [req], new_lens)
         freed += rewrite.freed
     return freed
-
-
-def _fail(rt, reqs, stage: str, err: BaseException) -> None:
-    """Finish `reqs` with an error naming the stage that failed (their next step finishes
-    them, as an abort does; eviction never runs on them again and their slots never reach
-    the radix tree: state.mark_failed). The traceback is logged once per (stage, error type);
-    the server keeps serving."""
-    if isinstance(err, StepFailure):
-        stage, err = err.stage, err.cause
-    rt.stats.failures += len(reqs)
-    first = (stage, type(err).__name__) not in rt.warned
-    rt.warned.add((stage, type(err).__name__))
-    logger.error("KV eviction failed at stage %r for %d request(s) (%s): %s: %s; they are "
-                 "finished with an error, the others keep running",
-                 stage, len(reqs), ", ".join(str(r.rid) for r in reqs), type(err).__name__, err,
-                 exc_info=err if first else None)
-    for req in reqs:
-        mark_failed(req, f"KV eviction failed at stage {stage!r} ({type(err).__name__}: {err}); "
-                         "the request was stopped, other requests are unaffected")
 
 
 # -- 2. plan -----------------------------------------------------------------------------------
@@ -409,7 +271,7 @@ def _stage(rt, reqs, cfg) -> tuple[torch.Tensor, ...]:
         [request_config(r).seed for r in reqs],  # the group's cfg carries no seed
     ]
     device = rt.req_to_token.device
-    host = torch.tensor(columns, dtype=torch.int64, pin_memory=_pinned(device))
+    host = torch.tensor(columns, dtype=torch.int64, pin_memory=pinned(device))
     return tuple(host.to(device, non_blocking=True).unbind(0))
 
 
@@ -460,7 +322,7 @@ def _evict_requests(rt, cfg, n, sinks, plan: StepPlan, rewrite: RowRewrite, rows
     except Exception as err:  # noqa: BLE001
         # The free is _apply's last act (one allocator call): it did not happen. Put the
         # rows back as they were, so that finishing these requests frees each slot once.
-        rt.req_to_token[rows[:, None], cols] = row_slots.to(rt.req_to_token.dtype)
+        restore_rows(rt, rows, cols, row_slots)
         raise StepFailure(REWRITE, err) from err
     return k
 
@@ -524,30 +386,3 @@ def _ring_entries(ring_size: int, first: torch.Tensor, window: int) -> torch.Ten
     return positions % ring_size
 
 
-# -- 6. update ---------------------------------------------------------------------------------
-
-def _update_batch_lengths(batch, new_lens: dict[int, int]) -> None:
-    # New tensors, never in place: under the overlap scheduler the previous forward
-    # may still hold references to the old ones.
-    idx = list(new_lens)
-    lens = list(new_lens.values())
-    seq_lens_cpu = batch.seq_lens_cpu.clone()
-    seq_lens_cpu[idx] = torch.tensor(lens, dtype=seq_lens_cpu.dtype)
-    delta = batch.seq_lens_cpu - seq_lens_cpu
-    batch.seq_lens_cpu = seq_lens_cpu
-    batch.seq_lens = batch.seq_lens - _to_device(delta, batch.seq_lens)
-    if getattr(batch, "orig_seq_lens", None) is not None:
-        batch.orig_seq_lens = batch.orig_seq_lens - _to_device(delta, batch.orig_seq_lens)
-    batch.seq_lens_sum = None
-
-
-def _pinned(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_available()
-
-
-def _to_device(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A host tensor on `like`'s device and dtype without blocking the CPU (pinned staging)."""
-    host = host.to(like.dtype)
-    if _pinned(like.device):
-        host = host.pin_memory()
-    return host.to(like.device, non_blocking=True)

@@ -6,17 +6,28 @@ a RuntimeError at that stage, inside the real step of a real server. Requests as
 per request (custom_params.kv_evict.policy); every other request is untouched by this module.
 The hooks wrap the step's own functions in the scheduler process, at the point each stage
 runs: plan_group, _stage, the policy's selection, the in-place compaction, and the page free
-after the row rewrite (the row already moved: the rollback's hardest case)."""
+after the row rewrite (the row already moved: the rollback's hardest case).
+
+`test-fault-select-rank1` fails at select on tensor-parallel rank 1 only (a fault one rank
+sees, as an allocation failure on one GPU would be).
+
+`test-fault-shared-<stage>` (select, pack, compact) score as trimkv does and are served under a
+shared budget scope (patches/shared_scope.evict_one, one request at a time): select is the
+policy's own scoring raising (a user's policy), pack and compact wrap cells.pack and the K/V
+copies into cells (shared_scope.move_kept)."""
 
 import contextvars
 import functools
 
 from vase_sglang import ops, register_policy
 from vase_sglang import chunk as chunk_module
-from vase_sglang.policies import POLICIES
+from vase_sglang.policies import POLICIES, TrimKVPolicy
 
 STAGES = ("plan", "stage", "select", "compact", "rewrite")
+SHARED_STAGES = ("select", "pack", "compact")
 PREFIX = "test-fault-"
+SHARED = PREFIX + "shared-"
+RANK1 = "-rank1"
 _group = contextvars.ContextVar("fault_policy_group", default=None)  # the policy in the step
 
 
@@ -24,13 +35,35 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def _fail_if(stage, policy):
-    if policy == PREFIX + stage:
-        raise InjectedFault(f"injected fault at stage {stage!r}")
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _fail_if(stage, policy, prefix=PREFIX):
+    if policy == prefix + stage or (policy == prefix + stage + RANK1 and _rank() == 1):
+        raise InjectedFault(f"injected fault at stage {stage!r}"
+                            + (f" on rank {_rank()}" if policy.endswith(RANK1) else ""))
 
 
 for _stage in STAGES:
     register_policy(PREFIX + _stage, POLICIES["snapkv"])
+register_policy(PREFIX + "select" + RANK1, POLICIES["snapkv"])
+
+
+class FaultyScore(TrimKVPolicy):
+    """trimkv whose scoring raises in a shared-scope step (not in the plans' traces on meta
+    tensors at startup): a user's shared-scope policy failing in its own code."""
+
+    def score_streamed(self, candidates, queries, draws):
+        _fail_if("select", _group.get(), SHARED)  # the policy of the step's evict_one
+        return super().score_streamed(candidates, queries, draws)
+
+
+register_policy(SHARED + "select", FaultyScore)
+for _stage in SHARED_STAGES[1:]:
+    register_policy(SHARED + _stage, TrimKVPolicy)
 
 
 def _install():
@@ -90,6 +123,33 @@ def _install():
     step.plan_group, step._stage, step._evict_requests, step._free = plan, staged, in_group, freeing
     chunk_module.select_tokens = select
     ops.compact_kv_ = compact
+    _install_shared()
+
+
+def _install_shared():
+    from vase_sglang_patches import shared_scope
+
+    evict_one, pack, move_kept = shared_scope.evict_one, shared_scope.pack, shared_scope.move_kept
+
+    @functools.wraps(evict_one)
+    def one(rt, cfg, *args, **kwargs):
+        token = _group.set(cfg.policy)
+        try:
+            return evict_one(rt, cfg, *args, **kwargs)
+        finally:
+            _group.reset(token)
+
+    @functools.wraps(pack)
+    def packing(*args, **kwargs):
+        _fail_if("pack", _group.get(), SHARED)
+        return pack(*args, **kwargs)
+
+    @functools.wraps(move_kept)
+    def moving(*args, **kwargs):
+        _fail_if("compact", _group.get(), SHARED)
+        return move_kept(*args, **kwargs)
+
+    shared_scope.evict_one, shared_scope.pack, shared_scope.move_kept = one, packing, moving
 
 
 _install()

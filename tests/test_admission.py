@@ -91,3 +91,84 @@ def test_admission_without_radix_cache(radix_off_server):
                                                   "window": WINDOW})
     out, log = _run(radix_off_server)
     _check_vase(out, log, radix=False)
+
+
+# Issue 58's reproduction: 48 clients at once asking for a budget of 8 and a window of 4 on the
+# shared radix-off server (vase-attnv, budget 64, window 16, a 1024-token pool, the query rings
+# beside it: 19 rings of 16 slots, sized at the server's own charge). Admission charges each by
+# its own budget, so more of them fit the pool than there are rings; those wait for a ring.
+CLIENTS, SMALL = 48, {"budget": 8, "window": 4}
+
+
+def _ring_count(log: str) -> int:
+    m = re.search(r"VaSE query ring beside the --max-total-tokens pool: reserving [0-9.]+ MiB "
+                  r"\((\d+) slots", log)
+    return int(m.group(1)) // RING
+
+
+def test_requests_below_the_servers_budget_wait_for_a_ring(radix_off_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = radix_off_server
+    rings = _ring_count(server.output())
+    assert rings == 19
+
+    def client(i):
+        return server.post_status("/generate", {
+            "text": f"Client {i} asks: the quick brown fox jumps over the dog",
+            "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True,
+                                "custom_params": {"kv_evict": SMALL}}}, timeout=600)
+
+    before = len(server.output())
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        answers = list(pool.map(client, range(CLIENTS)))
+    server.wait_idle_checked()
+    log = server.output()[before:]
+    assert [status for status, _ in answers] == [200] * CLIENTS, [
+        body for status, body in answers if status != 200][:1]
+    assert all(len(body["output_ids"]) == 300 and body["meta_info"]["kv_evicted_tokens"] > 0
+               for _, body in answers)
+    # Every ring in use at once, no more (the pool alone would admit 21).
+    assert _peak_running(log) == rings, _peak_running(log)
+    assert "query ring" not in log and "query-ring" not in log
+
+
+def _peak_tokens(log: str) -> int:
+    return max(int(m) for m in re.findall(r"Decode batch.*?#token: (\d+)", log))
+
+
+def test_a_request_that_cannot_reach_its_budget_holds_no_ring(server, tokenizer):
+    """With the radix cache on the tree owns the prompt: a long prompt with fewer new tokens
+    than the budget never reaches it (nothing is evicted), so it holds no ring and is charged
+    none: the pool holds its prompt and outputs only. A request with more new tokens than the
+    budget does hold one (RING slots beside its tokens)."""
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]
+    assert len(prompt) > 2 * BUDGET
+
+    def alone(max_new):
+        before = len(server.output())
+        out = server.generate(input_ids=prompt, max_new_tokens=max_new,
+                              sampling_params={"ignore_eos": True})
+        server.wait_idle_checked()
+        return out, _peak_tokens(server.output()[before:])
+
+    short, short_peak = alone(BUDGET - 8)
+    assert short["meta_info"]["kv_evicted_tokens"] == 0
+    assert short_peak <= len(prompt) + BUDGET - 8, (short_peak, len(prompt))
+    long, long_peak = alone(3 * BUDGET)
+    assert long["meta_info"]["kv_evicted_tokens"] > 0
+    assert long_peak >= len(prompt) + BUDGET + RING, (long_peak, len(prompt))
+
+
+@pytest.mark.parametrize("fixture", ["server", "radix_off_server"])
+def test_the_rings_slot_table_is_counted_before_the_pool_is_sized(request, fixture):
+    """The table of every request row's ring slots (int64, on the device) is reserved with the
+    other buffers beside the pool, for at least as many rows as the request table gets: in
+    the pool (pages of the pool) and beside it (the storage's free list too)."""
+    log = request.getfixturevalue(fixture).output()
+    reserved = re.search(r"VaSE query-ring slot table: reserving [0-9.]+ MiB \(at most (\d+) "
+                         r"request rows x (\d+) slots, int64", log)
+    built = re.search(r"slot table \[(\d+), (\d+)\]", log)
+    assert reserved and built, log[-3000:]
+    assert int(reserved.group(1)) >= int(built.group(1)) > 1
+    assert int(reserved.group(2)) == int(built.group(2)) == RING

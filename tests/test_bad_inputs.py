@@ -184,6 +184,62 @@ def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, t
                                         "triton backends only") in message, message
 
 
+SHARING_MODULE = """
+from vase_sglang import register_policy
+from vase_sglang.policies import SnapKVPolicy, TrimKVPolicy
+
+
+class {name}({base}):
+    shares_budget = True
+{body}
+
+register_policy("{policy}", {name})
+"""
+
+
+def test_a_shares_budget_policy_must_score_as_the_shared_scope_step_does(startup_error, tmp_path,
+                                                                          monkeypatch,
+                                                                          trimkv_gates_file):
+    """A user's module whose policy sets shares_budget but scores from K/V and queries (as
+    snapkv does): it used to register, pass every check, and fail every request at its first
+    shared-scope eviction (the step reads retention gates); now registering it stops the
+    launch naming what the shared-scope step needs (Policy.shares_budget_refusal). A policy
+    that scores from retention as trimkv does, with its own score_streamed, is accepted and
+    may be asked for with a shared scope."""
+    import importlib
+    import sys
+
+    from vase_sglang import EvictionConfig
+    from vase_sglang.policies import POLICIES
+
+    (tmp_path / "user_sharing_snapkv.py").write_text(SHARING_MODULE.format(
+        name="SharingSnapKV", base="SnapKVPolicy", body="", policy="user-sharing-snapkv"))
+    (tmp_path / "user_sharing_age.py").write_text(SHARING_MODULE.format(
+        name="AgeOnly", base="TrimKVPolicy", policy="user-sharing-age", body=(
+            "    def score_streamed(self, candidates, queries, draws):\n"
+            "        return -self.retention.age.float().expand(candidates.shape)\n")))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = startup_error([], {"VASE_KV_EVICT_POLICY": "snapkv",
+                                 "VASE_KV_EVICT_PLUGINS": "user_sharing_snapkv"})
+    assert message is not None and (
+        "VASE_KV_EVICT_PLUGINS: module 'user_sharing_snapkv': policy: 'user-sharing-snapkv' sets "
+        "shares_budget, but a shared budget scope needs needs_retention") in message, message
+    assert "no needs_queries" in message and "user-sharing-snapkv" not in POLICIES
+    try:
+        gated = ["--kv-evict-policy", "user-sharing-age", "--kv-evict-retention-gates",
+                 str(trimkv_gates_file), "--kv-evict-budget-scope", "global",
+                 "--kv-evict-window", "16"]
+        assert startup_error(gated, {"VASE_KV_EVICT_PLUGINS": "user_sharing_age"}) is None
+        cfg = EvictionConfig(policy="user-sharing-age", budget=32, window=8,
+                             budget_scope="global")
+        assert cfg.shared_budget
+    finally:
+        POLICIES.pop("user-sharing-age", None)
+        for module in ("user_sharing_snapkv", "user_sharing_age"):
+            sys.modules.pop(module, None)
+    importlib.invalidate_caches()
+
+
 def test_good_settings_pass_the_startup_checks(startup_error):
     """The in-process checks above can pass: a good configuration goes through all of them."""
     assert startup_error(POLICY + ["--kv-evict-budget", "64", "--kv-evict-window", "8"], {}) is None
@@ -491,3 +547,49 @@ def test_distinct_settings_in_recent_use_are_bounded():
     check_distinct(c, server, limits, recent)  # in place of a, idle for 61 s
     with pytest.raises(ValueError, match="at most 2 distinct"):
         check_distinct(a, server, limits, recent)
+
+
+def test_settings_of_queued_or_running_requests_keep_their_place():
+    """A setting's place is held while a request that uses it is queued or running in the
+    tokenizer manager (its rid_to_state), not only for 60 s after it was last asked for:
+    otherwise a client sending a new setting every 61 s while the earlier ones still decode
+    would grow every step's groups without bound. Read from the manager's own request states
+    (SGLang's GenerateReqInput, as it keeps them)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from vase_sglang_patches.request_control import (RecentSettings, check_distinct,
+                                                     live_settings)
+    from vase_sglang_patches.settings import RequestLimits, ServerSettings
+
+    now = [0.0]
+    recent = RecentSettings(idle_seconds=60, clock=lambda: now[0])
+    server = EvictionConfig(policy="snapkv", budget=32, window=8)
+    limits = RequestLimits(max_budget=256, min_window=2, grid=2, max_settings=1)
+    serving = ServerSettings(config=server, limits=limits)
+    manager = SimpleNamespace(rid_to_state={})
+
+    def arrive(rid, budget, seed=0):
+        manager.rid_to_state[rid] = SimpleNamespace(obj=GenerateReqInput(
+            text="hello", sampling_params={"custom_params": {"kv_evict": {
+                "budget": budget, "seed": seed}}}))
+        check_distinct(server.replace(budget=budget, seed=seed), server, limits, recent,
+                       in_use=lambda: live_settings(manager, serving, limits))
+
+    arrive("long-40", 40)
+    arrive("plain", 32)  # the server's own: free
+    now[0] = 61.0  # the 40 was asked for 61 s ago, and its request still decodes
+    with pytest.raises(ValueError, match=r"at most 1 distinct eviction settings .* each is used "
+                                         r"by a queued or running request"):
+        arrive("new-48", 48)
+    del manager.rid_to_state["new-48"]  # refused: SGLang drops its state
+    arrive("long-40-again", 40, seed=9)  # the same setting, another seed: admitted
+    del manager.rid_to_state["long-40"], manager.rid_to_state["long-40-again"]
+    with pytest.raises(ValueError, match="at most 1 distinct"):
+        arrive("new-48", 48)  # finished, but asked for within 60 s (at 61 s)
+    del manager.rid_to_state["new-48"]
+    now[0] = 122.0
+    arrive("new-48", 48)  # finished and idle: its place is free
+    assert live_settings(manager, serving, limits) == {server.replace(budget=48),
+                                                       server.replace(budget=32)}

@@ -166,6 +166,15 @@ def test_hook_table_is_the_planned_hooks(monkeypatch):
     assert mismatches(documented, planned_targets(monkeypatch)) == []
 
 
+def test_the_patches_docstring_lists_the_planned_hooks(monkeypatch):
+    """patches/__init__.py's docstring table lists the same targets (it had drifted: three
+    hooks gone, five missing, by issue 58)."""
+    import patches
+
+    documented = table_targets(patches.__doc__)
+    assert mismatches(documented, planned_targets(monkeypatch)) == []
+
+
 def test_hook_table_check_can_fail(monkeypatch):
     planned = planned_targets(monkeypatch)
     documented = table_targets((DOCS / "hooks.md").read_text(encoding="utf-8"))

@@ -12,7 +12,7 @@ import pytest
 from vase_sglang import EvictionConfig
 from vase_sglang.elastic import Holding, freed_by_cut, level_grid, over_floor, water_fill
 from vase_sglang.rows import freed_slots
-from vase_sglang_patches import step
+from vase_sglang_patches import grouping
 from vase_sglang_patches.request_control import effective_config
 
 
@@ -140,7 +140,7 @@ def test_pressure_groups_cut_fixed_requests_to_budget_and_water_fill_elastic_one
             r.priority = 5
         batch = _batch(reqs)
         rank = {id(r): r.priority for r in reqs}
-        groups, level = step.pressure_groups(None_rt(), batch, (), need=300,
+        groups, level = grouping.pressure_groups(None_rt(), batch, (), need=300,
                                              rank_of=lambda r: rank[id(r)])
         cut = {batch.reqs[i].rid: (cfg.budget, n) for (cfg, n, _), members in groups.items()
                for i in members}
@@ -153,20 +153,21 @@ def test_pressure_groups_cut_fixed_requests_to_budget_and_water_fill_elastic_one
         assert level == 32
         assert freed_slots(292, 144, 8, 1) == 148
         # Scheduled evictions leave elastic caches alone (no ceiling) ...
-        assert {batch.reqs[i].rid for members in step.due_groups(None_rt(), batch).values()
+        assert {batch.reqs[i].rid for members in grouping.due_groups(None_rt(), batch).values()
                 for i in members} == set()
         # ... and stop them at the ceiling with one.
         ceiling = _req("ceil", 300, {"mode": "elastic"})
         with serving(server.replace(ceiling=200)):
-            due = step.due_groups(None_rt(), _batch([ceiling]))
+            due = grouping.due_groups(None_rt(), _batch([ceiling]))
         assert [(cfg.budget, n) for cfg, n, _ in due] == [(200, 292)]
 
 
 def None_rt():
-    """The step's grouping reads only the page size of the runtime."""
+    """The step's grouping reads only the page size and the ring's slots (none: these
+    requests' policies record no queries) of the runtime."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(page_size=1)
+    return SimpleNamespace(page_size=1, ring_slots=0)
 
 
 def test_a_cut_that_frees_no_page_is_not_made():

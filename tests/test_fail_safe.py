@@ -19,6 +19,7 @@ torch.set_num_threads(1)
 # tests/fault_policy.py's names. Not imported: importing it registers its policies and wraps
 # the step in this process too, where other tests read the registry.
 PREFIX, STAGES = "test-fault-", ("plan", "stage", "select", "compact", "rewrite")
+SHARED, SHARED_STAGES = PREFIX + "shared-", ("select", "pack", "compact")
 N = 90  # tokens per request: 7 eviction rounds at budget 32, window 8
 MAX_SEED = 2**63 - 1
 
@@ -65,6 +66,38 @@ def test_a_failing_step_finishes_its_requests_and_no_other(snapkv_server, tokeni
     for p, want in zip(prompts, alone):
         assert _greedy(snapkv_server, p)[1]["output_ids"] == want
     snapkv_server.wait_idle_checked()
+
+
+def test_a_failing_shared_scope_step_finishes_its_requests_and_no_other(snapkv_server, tokenizer):
+    """The same under a global budget scope (patches/shared_scope.evict_one, one request at a
+    time): a fault in the policy's scoring, in packing the kept tokens into cells, or in the
+    K/V copies finishes that request with an HTTP 500 naming the stage; global and per-head
+    requests decoding beside it give the tokens they give alone."""
+    trimkv = {"policy": "trimkv", "budget": 24, "window": 8, "budget_scope": "global"}
+    healthy_settings = [trimkv, {**trimkv, "budget_scope": "head"}, None]
+    prompts = [tokenizer(f"Global number {i}: 0 1 2 3")["input_ids"] for i in range(3)]
+    alone = []
+    for p, kv in zip(prompts, healthy_settings):
+        status, out = _greedy(snapkv_server, p, kv)
+        assert status == 200 and out["meta_info"]["kv_evicted_tokens"] > 0
+        alone.append(out["output_ids"])
+    with ThreadPoolExecutor(len(prompts) + len(SHARED_STAGES)) as pool:
+        healthy = [pool.submit(_greedy, snapkv_server, p, kv)
+                   for p, kv in zip(prompts, healthy_settings)]
+        failing = [pool.submit(_greedy, snapkv_server, prompts[i], {**trimkv,
+                                                                   "policy": SHARED + stage})
+                   for i, stage in enumerate(SHARED_STAGES)]
+        healthy = [f.result() for f in healthy]
+        failing = [f.result() for f in failing]
+    for (status, out), want in zip(healthy, alone):
+        assert status == 200 and out["output_ids"] == want
+    for stage, (status, body) in zip(SHARED_STAGES, failing):
+        assert status == 500, (stage, status, body)
+        assert f"KV eviction failed at stage '{stage}'" in str(body), body
+        assert f"injected fault at stage '{stage}'" in str(body), body
+    snapkv_server.wait_idle_checked()
+    assert snapkv_server.used_tokens() == 0
+    assert "Scheduler hit an exception" not in snapkv_server.output()
 
 
 def test_a_seed_outside_its_range_is_a_bad_request(snapkv_server, tokenizer):

@@ -9,22 +9,26 @@ slots or MiB in [0, 2**31), the seed in [0, 2**63)), or refused with a ValueErro
 starts with that flag's name. Then one real launch with `--kv-evict-seed 2**63` must be refused.
 
 Clients (one real server, started by this module: tiny fp32 Qwen3, snapkv, budget 32, window 8,
-a 160-token pool (3 requests at once), context 128 tokens, SGLang's strict memory checks on):
-about 300 requests, 4-6 at a time, on /generate, /v1/completions and /v1/chat/completions,
-drawn from a grammar of hostile values: `custom_params.kv_evict` as false/true/null/{}/a dict
-of policy, budget, window, value_slots, sinks, seed, mode (valid values, fixed and elastic, and
-hostile ones: huge, negative, float, NaN/inf, strings, lists, nested dicts, bools, unknown
-fields) or as a string/list/number; sampling parameters (max_new_tokens, temperature, top_p,
-top_k, sampling_seed, ignore_eos, n) valid or hostile; some clients stream and hang up after
-the first chunk, some hang up at once. Properties: every answer is 2xx or 4xx, never 5xx, a
-dropped connection or no answer (except for the clients that hung up themselves), a stream read
-to its end ends with [DONE] and carries no 5xx error event; the server is alive after every
-batch; a fixed greedy request (temperature 0, kv_evict with a fixed seed) served alone gives
-the same tokens before and after the storm; at the end the idle leak check passes
-(wait_idle_checked) and the server's output holds no traceback and no "Scheduler hit an
-exception". Only 127.0.0.1 is contacted. Shrinking is off: every example costs a live batch,
-and once the server is dead every later example fails, so a shrunk example would mislead; a
-failure prints the batch that broke the property and the end of the server log.
+a 160-token pool (3 requests at once at the server's budget, 7 query rings beside it), context
+128 tokens, SGLang's strict memory checks on): about 300 requests, 4-6 at a time, on /generate,
+/v1/completions and /v1/chat/completions, drawn from a grammar of hostile values:
+`custom_params.kv_evict` as false/true/null/{}/a dict of policy, budget, window, value_slots,
+sinks, seed, mode (valid values, fixed and elastic, and hostile ones: huge, negative, float,
+NaN/inf, strings, lists, nested dicts, bools, unknown fields, budget_scope; valid-leaning draws
+include budgets down to 8 and windows down to 2, and crowds of 8-10 prompts in one /generate at
+such budgets, so that more requests fit the pool than the query rings beside it hold, and trimkv
+at the global and layer scopes, served with the server's gates) or as a string/list/number;
+sampling parameters (max_new_tokens, temperature, top_p, top_k, sampling_seed, ignore_eos, n)
+valid or hostile; some clients stream and hang up after the first chunk, some hang up at once.
+Properties: every answer is 2xx or 4xx, never 5xx, a dropped connection or no answer (except for
+the clients that hung up themselves), a stream read to its end ends with [DONE] and carries no
+5xx error event; the server is alive after every batch; a fixed greedy request (temperature 0,
+kv_evict with a fixed seed) served alone gives the same tokens before and after the storm; at
+the end the idle leak check passes (wait_idle_checked) and the server's output holds no
+traceback and no "Scheduler hit an exception". Only 127.0.0.1 is contacted. Shrinking is off:
+every example costs a live batch, and once the server is dead every later example fails, so a
+shrunk example would mislead; a failure prints the batch that broke the property and the end of
+the server log.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from hypothesis import strategies as st
 
 from servers import Server
 from vase_sglang import POLICY_NAMES
-from vase_sglang.config import MODES
+from vase_sglang.config import BUDGET_SCOPES, MODES
 from vase_sglang_patches import settings as server_settings
 
 # ---------------------------------------------------------------------------- hostile values
@@ -213,20 +217,40 @@ REFERENCE = {"text": "user assistant system: What is the capital of France? Pari
 KV_FIELDS = {  # valid values on this server first, then anything
     "policy": st.one_of(st.sampled_from([*POLICY_NAMES, "trimkv"]),
                         st.sampled_from(["", "SNAPKV", "snapkv ", "nope"]), JUNK),
-    "budget": hostile([16, 24, 32, 48, 64, 256]),
+    "budget": hostile([8, 16, 24, 32, 48, 64, 256]),
     "window": hostile([2, 4, 8]),
     "value_slots": hostile([0, 2, 4]),
     "sinks": hostile([0, 1, 2, 4]),
     "seed": hostile([0, 1, 5, 2**31 - 1, 2**32, 2**63 - 1]),
     "mode": st.one_of(st.sampled_from(MODES), st.sampled_from(MODES), JUNK),
+    "budget_scope": st.one_of(st.just("head"), st.just("head"), st.sampled_from(BUDGET_SCOPES),
+                              st.sampled_from(["", "Global", "all", "heads"]), JUNK),
 }
-VALID_KV = st.fixed_dictionaries({"mode": st.sampled_from(MODES)}, optional={
+# Budgets down to 8 and windows down to 2 (the server's grid and least window): their requests
+# are charged so little that more of them fit the pool than the query rings beside it hold
+# (7 rings at the server's budget), so some wait for a ring (issue 58: they got HTTP 500).
+# (budget, window) pairs valid on this server (None: the server's), the small ones twice.
+SIZES = st.sampled_from([(8, 2), (8, 4), (12, 4), (8, 2), (8, 4), (12, 2), (16, 4), (16, None),
+                         (24, None), (32, 4), (48, 8), (None, 4), (None, None)])
+
+
+def _sized(kv_and_size):
+    kv, (budget, window) = kv_and_size
+    sized = {"budget": budget, "window": window}
+    return {**kv, **{k: v for k, v in sized.items() if v is not None}}
+
+
+VALID_KV = st.tuples(st.fixed_dictionaries({"mode": st.sampled_from(MODES)}, optional={
     "policy": st.sampled_from(["snapkv", "vase-attnv", "vase-dkv", "streaming", "random", "rkv",
                                "curdkv", "evict-large-values", "full"]),
-    "budget": st.sampled_from([16, 24, 32, 48]),
-    "window": st.sampled_from([4, 8]),
     "seed": st.sampled_from([0, 7, 2**31 - 1, 2**32 + 1, 2**63 - 1]),
-})
+    "budget_scope": st.just("head"),
+}), SIZES).map(_sized)
+# A shared budget scope, served (trimkv with the server's gates, fixed mode, no value slots).
+VALID_SHARED = st.tuples(st.fixed_dictionaries(
+    {"policy": st.just("trimkv"), "budget_scope": st.sampled_from(["global", "layer"])},
+    optional={"sinks": st.sampled_from([0, 2, 4]), "seed": st.sampled_from([0, 7, 2**63 - 1])}),
+    SIZES).map(_sized)
 HOSTILE_KV = st.fixed_dictionaries({}, optional=KV_FIELDS)
 # Valid settings but one field: what a check that misses one field lets through.
 ONE_HOSTILE = st.sampled_from(sorted(KV_FIELDS)).flatmap(
@@ -245,8 +269,8 @@ class _Absent:
 
 ABSENT = _Absent()
 KV_EVICT = st.one_of(st.just(ABSENT), st.sampled_from([False, True, None, {}]), VALID_KV,
-                     VALID_KV, ONE_HOSTILE, ONE_HOSTILE, ONE_HOSTILE, HOSTILE_KV, UNKNOWN_FIELD,
-                     JUNK)
+                     VALID_KV, VALID_SHARED, ONE_HOSTILE, ONE_HOSTILE, ONE_HOSTILE, HOSTILE_KV,
+                     UNKNOWN_FIELD, JUNK)
 SAMPLING = st.fixed_dictionaries(
     {  # mostly long enough to evict (the server's cache reaches budget + window at 40)
         "max_new_tokens": st.one_of(st.sampled_from([60, 56, 48]), st.sampled_from([60, 44]),
@@ -264,7 +288,7 @@ SAMPLING = st.fixed_dictionaries(
                                                                        True])),
     })
 CLIENTS = ["read", "read", "read", "stream", "hangup", "hangup-at-once"]
-REQUEST = st.fixed_dictionaries({
+ONE_CLIENT = st.fixed_dictionaries({
     "route": st.sampled_from(["/generate", "/generate", "/v1/completions",
                               "/v1/chat/completions"]),
     "client": st.sampled_from(CLIENTS),
@@ -272,6 +296,20 @@ REQUEST = st.fixed_dictionaries({
     "kv_evict": KV_EVICT,
     "sampling": SAMPLING,
 })
+# A crowd: one /generate of 8-10 prompts at a small valid budget, more requests at once than
+# there are query rings beside the pool (7): the ones without a ring wait for one.
+CROWD = st.fixed_dictionaries({
+    "route": st.just("/generate"), "client": st.just("read"),
+    "prompt": st.lists(st.sampled_from(PROMPTS), min_size=8, max_size=10),
+    "kv_evict": st.tuples(st.fixed_dictionaries({}, optional={
+        "policy": st.sampled_from(["snapkv", "vase-attnv", "rkv"]),
+        "seed": st.sampled_from([0, 7])}),
+        st.sampled_from([(8, 2), (8, 4), (12, 4)])).map(_sized),
+    "sampling": st.fixed_dictionaries({"max_new_tokens": st.sampled_from([40, 60]),
+                                       "ignore_eos": st.just(True)}),
+})
+REQUEST = st.sampled_from([False] * 23 + [True]).flatmap(  # a crowd in 24 draws
+    lambda crowd: CROWD if crowd else ONE_CLIENT)
 
 STATS: Counter = Counter()
 
@@ -359,6 +397,10 @@ def _problems(req, out) -> list[str]:
             meta = one.get("meta_info", {})
             STATS["evicted tokens"] += meta.get("kv_evicted_tokens") or 0
             STATS["generate outputs"] += 1
+            kv = req["kv_evict"]
+            if isinstance(kv, dict) and kv.get("budget_scope") in ("global", "layer"):
+                STATS["shared-scope outputs"] += 1
+                STATS["shared-scope evicted tokens"] += meta.get("kv_evicted_tokens") or 0
     return []
 
 
@@ -401,10 +443,12 @@ def _greedy_alone(server) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tiny_model_fp32):
-    """The module's own evicting server, and the reference request's tokens served alone on it
-    before any hostile client came."""
-    flags = ["--dtype", "float32", "--context-length", str(CONTEXT)]
+def fuzz_server(tiny_model_fp32, trimkv_gates_file):
+    """The module's own evicting server (trimkv's gates loaded, so requests may ask for it and
+    its shared budget scopes), and the reference request's tokens served alone on it before
+    any hostile client came."""
+    flags = ["--dtype", "float32", "--context-length", str(CONTEXT),
+             "--kv-evict-retention-gates", str(trimkv_gates_file)]
     for key, value in SERVER.items():
         flags += ["--kv-evict-" + key, str(value)]
     with Server(tiny_model_fp32, flags, max_total_tokens=POOL, timeout=600) as server:
@@ -466,6 +510,7 @@ def test_hostile_clients_get_2xx_or_4xx_and_the_server_survives(fuzz_server):
     print(dict(STATS))
     # The storm was not all refusals: requests were served and caches evicted.
     assert STATS["/generate 200"] >= BATCHES // 2 and STATS["evicted tokens"] > 0, dict(STATS)
+    assert STATS["shared-scope evicted tokens"] > 0, dict(STATS)  # shared scopes served
 
 
 def test_after_the_storm_the_server_is_whole(fuzz_server):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vase_sglang import EvictionConfig
-from vase_sglang_patches import runtime, state, step
+from vase_sglang_patches import grouping, runtime, state, step
 from vase_sglang_patches import scheduler as scheduler_hooks
 from vase_sglang_patches.timing import StepTimer
 
@@ -206,7 +206,7 @@ def test_requests_differing_only_in_their_seed_share_a_settings_group():
             req.kv.req_pool_idx, req.kv.cache_protected_len = i, 4
             req.kv.kv_allocated_len = req.kv.kv_committed_len = 4 + 40
             req.decode_batch_idx = 5
-        groups = step.due_groups(rt, _batch(reqs))
+        groups = grouping.due_groups(rt, _batch(reqs))
         assert sorted(groups.values()) == [[0, 1, 2], [3]]
 
 
@@ -223,10 +223,10 @@ def test_pressure_cuts_fixed_requests_only_for_enough_and_never_for_admission():
         batch = _batch(reqs)
 
         def cut(**kwargs):
-            groups, _ = step.pressure_groups(rt, batch, (), need=100, **kwargs)
+            groups, _ = grouping.pressure_groups(rt, batch, (), need=100, **kwargs)
             return {batch.reqs[i].rid for members in groups.values() for i in members}
 
-        assert step.min_fixed_cut(server, 1) == 4
+        assert grouping.min_fixed_cut(server, 1) == 4
         assert cut() == {"fixed-big", "elastic"}  # 34 frees 2 < 4: cut on schedule instead
         assert cut(fixed=False) == {"elastic"}
 
@@ -242,8 +242,8 @@ def test_a_prefix_off_the_page_grid_is_not_evicted(caplog):
             req.kv.kv_allocated_len = req.kv.kv_committed_len = prefix + 48
             req.decode_batch_idx = 5
         with caplog.at_level("WARNING", logger="vase_sglang.eviction"):
-            groups = step.due_groups(rt, _batch(reqs))
-            step.due_groups(rt, _batch(reqs))
+            groups = grouping.due_groups(rt, _batch(reqs))
+            grouping.due_groups(rt, _batch(reqs))
         assert list(groups.values()) == [[0]]
         assert sum("does not end on a page of 16" in r.message for r in caplog.records) == 1
 

@@ -67,3 +67,92 @@ def test_old_import_paths_are_the_moved_objects(old, new, names):
     old_mod, new_mod = importlib.import_module(old), importlib.import_module(new)
     for name in names:
         assert getattr(old_mod, name) is getattr(new_mod, name), (old, name)
+
+
+# -- no import cycles ---------------------------------------------------------------------------
+
+PACKAGES = {"vase_sglang": ROOT / "vase_sglang", "vase_sglang_patches": ROOT / "patches"}
+
+
+def _import_graph(packages: dict) -> dict[str, set[str]]:
+    """module -> the modules of `packages` it imports, at module level or inside a function
+    (a lazy import is still a dependency), from the source; imports under `if TYPE_CHECKING:`
+    are annotations only and left out, and so are the packages' __init__ modules (they
+    re-export their submodules, so every submodule reaches them)."""
+    import ast
+
+    modules = {}
+    for package, base in packages.items():
+        for path in base.rglob("*.py"):
+            parts = [package, *path.relative_to(base).with_suffix("").parts]
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module
+                deps.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                            for a in node.names)
+        graph[name] = {d for d in deps if d in modules and d != name
+                       and modules[d].name != "__init__.py"}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import cycle within the core or the hooks: runtime <-> state, memory <-> model_runner
+    and config <-> policies <-> stream_select came back once (issue 58) as imports inside
+    functions; a lower module must not reach up, even lazily."""
+    graph = _import_graph(PACKAGES)
+    assert "vase_sglang_patches.state" in graph["vase_sglang_patches.ring"]
+    assert "vase_sglang_patches.settings" in graph["vase_sglang_patches.request_control"]
+    assert "vase_sglang.config" in graph["vase_sglang.policies"]
+    assert "vase_sglang.plan" in graph["vase_sglang_patches.memory"]  # a lazy import counts
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("from . import a\n")
+    (tmp_path / "pkg" / "a.py").write_text("from . import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from .a import x\n")
+    (tmp_path / "pkg" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n")
+    graph = _import_graph({"pkg": tmp_path / "pkg"})
+    assert _cycles(graph) == [["pkg.a", "pkg.b"]] and graph["pkg.c"] == set()

@@ -2,6 +2,7 @@
 tensor parallel (each rank holds half of the KV heads and evicts them with no collective) and
 data parallel (two schedulers, each with its own eviction runtime and query ring)."""
 
+import os
 import re
 import threading
 import urllib.request
@@ -49,8 +50,13 @@ def gates_file(tiny_model_fp32, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2_server(tiny_model_fp32, gates_file):
+    """tp = 2, trimkv's gates loaded, and tests/fault_policy.py (a step that fails at a chosen
+    stage, on rank 1 only for `test-fault-select-rank1`)."""
     args = _args("--tp-size", "2", "--kv-evict-retention-gates", str(gates_file))
-    with Server(tiny_model_fp32, args, env=TWO_RANKS) as server:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {**TWO_RANKS, "VASE_KV_EVICT_PLUGINS": "fault_policy",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
+    with Server(tiny_model_fp32, args, env=env) as server:
         yield server
 
 
@@ -222,3 +228,38 @@ def test_elastic_pressure_on_every_rank(request, fixture):
     assert "early eviction freed" in log and "Retract requests" not in log
     assert any(o["meta_info"]["kv_evicted_tokens"] for o in out)
     assert all((o["meta_info"]["kv_min_budget"] or 10**9) >= BUDGET for o in out)
+
+
+def test_tp2_a_step_failing_on_one_rank_finishes_its_requests_on_every_rank(tp2_server):
+    """A fault that rank 1 alone sees (its select raises, rank 0's does not): both ranks
+    finish the failing request (they agree on the failed set after the step, commit.agree),
+    so their next batches stay equal; before, rank 1 dropped it and rank 0 kept it, and the
+    ranks' collectives ran on different batches. The failing request gets an HTTP 500 naming
+    the stage, the requests beside it the tokens they give alone, and the server serves on.
+    Last in the module: on code without the agreement it leaves the server hung."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[(11 * i + j) % 600 + 25 for j in range(8)] for i in range(3)]
+
+    def greedy(prompt, policy=None):
+        sampling = {"max_new_tokens": 90, "temperature": 0, "ignore_eos": True}
+        if policy:
+            sampling["custom_params"] = {"kv_evict": {"policy": policy}}
+        return tp2_server.post_status("/generate", {"input_ids": prompt,
+                                                    "sampling_params": sampling}, timeout=180)
+
+    alone = [greedy(p)[1]["output_ids"] for p in prompts]
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
+        healthy = [pool.submit(greedy, p) for p in prompts]
+        failing = pool.submit(greedy, prompts[0], "test-fault-select-rank1")
+        healthy = [f.result() for f in healthy]
+        status, body = failing.result()
+    assert status == 500, (status, body)
+    assert "KV eviction failed at stage 'select' on another tensor-parallel rank" in str(body)
+    assert [(s, out["output_ids"]) for s, out in healthy] == [(200, want) for want in alone]
+    tp2_server.wait_idle_checked()
+    log = tp2_server.output()
+    assert "injected fault at stage 'select' on rank 1" in log
+    assert "Scheduler hit an exception" not in log
+    assert [greedy(p)[1]["output_ids"] for p in prompts] == alone
+    tp2_server.wait_idle_checked()

@@ -11,6 +11,7 @@ the slots are those of a per-head budget: the same KV length, nothing leaked."""
 
 from __future__ import annotations
 
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -94,13 +95,37 @@ def test_global_differs_from_per_head_so_the_comparison_can_fail(served, referen
     assert _max_diff(logprobs, _row_logprobs(reference, prompt, ids, "head")) > 100 * TOL
 
 
-def test_shared_scopes_hold_the_slots_of_a_per_head_budget(served):
-    """Each scope evicts the same number of tokens per (layer, head) (the same KV length, so
-    the same slots); nothing is held once the requests are done (strict checks silent)."""
-    _prompt, out, used = served
-    evicted = {s: out[s][2]["kv_evicted_tokens"] for s in SCOPES}
-    assert len(set(evicted.values())) == 1, evicted
+def _held_during_decode(server, prompt, kv_evict):
+    """Pool slots in use (SGLang's decode log: #token, every step on this server) at each
+    decode step of one request served alone."""
+    before = len(server.output())
+    out = server.generate(input_ids=prompt, max_new_tokens=N_TOKENS,
+                          sampling_params={"ignore_eos": True,
+                                           "custom_params": {"kv_evict": kv_evict}})
+    server.wait_idle_checked()
+    log = server.output()[before:]
+    # (a line at the request's first or last step can read 0: the overlap scheduler logs
+    # a batch whose prefill, or whose release, is still being processed)
+    held = [int(m) for m in re.findall(r"Decode batch.*?#running-req: 1, #token: (\d+)", log)
+            if int(m)]
+    assert len(held) > N_TOKENS // 2, log[-2000:]
+    return held, out["meta_info"]["kv_evicted_tokens"]
+
+
+def test_shared_scopes_hold_the_slots_of_a_per_head_budget(snapkv_server, served):
+    """Served alone, a request holds the same pool slots at every decode step whatever its
+    scope (the same K older slots, whoever's tokens their cells hold), and evicts the same
+    number of tokens; a budget one window larger holds more (the reading can fail). Nothing
+    is held once the requests are done (strict checks silent)."""
+    prompt, out, used = served
+    held = {s: _held_during_decode(snapkv_server, prompt, _request(s)) for s in SCOPES}
+    assert held["global"] == held["layer"] == held["head"], held
+    assert held["head"][1] == out["head"][2]["kv_evicted_tokens"] > 0
+    larger, _ = _held_during_decode(snapkv_server, prompt,
+                                    {**_request("head"), "budget": BUDGET + WINDOW})
+    assert max(larger) == max(held["head"][0]) + WINDOW, (larger, held["head"][0])
     assert used == 0
+    assert snapkv_server.used_tokens() == 0
 
 
 @pytest.mark.parametrize("bad, message", [

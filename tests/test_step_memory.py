@@ -22,7 +22,7 @@ from vase_sglang.chunk import KVShapes, PoolCandidates, Workspace, kv_reads
 from vase_sglang.plan import (STREAM_CHUNK, PeakMemory, _request_like, chunk_cost, group_bytes,
                               plan_chunks, plan_step, step_cost, streamed_policies, trace_chunk,
                               workspace_bytes)
-from vase_sglang_patches import runtime, state, step
+from vase_sglang_patches import grouping, runtime, state, step
 from vase_sglang_patches.memory import kv_shapes
 
 torch.set_num_threads(1)
@@ -421,7 +421,7 @@ def test_a_policy_that_cannot_stream_is_skipped_not_run_outside_the_workspace(mo
     assert all(state.state(r).rounds == 0 and state.compacted(r) for r in due)
     assert all(torch.equal(a, b) for a, b in zip(before, rt.k_buffers))
     assert torch.equal(row, rt.req_to_token) and rt.stats.failures == len(due)
-    assert step.due_groups(rt, batch) == {}  # never evicted again: they are being finished
+    assert grouping.due_groups(rt, batch) == {}  # never evicted again: they are being finished
 
 
 def _unchunked(cfg, rt, batch):

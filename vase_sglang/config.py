@@ -33,10 +33,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .registry import POLICIES
+
 # What a policy needs (queries, retention gates, value slots and their default) is stated on its
-# class in the registry (policies.POLICIES, policies.register_policy); nothing here names one.
-# POLICY_NAMES (the user-facing values of --kv-evict-policy without gates) is derived from the
-# registry in policies.py and read here through the module __getattr__ at the end.
+# class in the registry (registry.POLICIES, filled by policies.py and register_policy); nothing
+# here names one, and nothing here imports policies.py (it imports this module).
 MODES = ("fixed", "elastic")
 BUDGET_SCOPES = ("head", "layer", "global")
 # Explicit ranges of every integer setting, [low, high] inclusive, checked wherever a value enters
@@ -76,16 +77,12 @@ def check_int(name: str, value, low: int | None = None, high: int | None = None)
 
 def _policy_class(name: str):
     """The registered Policy class of `name`; None for "full" (and names not registered)."""
-    from .policies import POLICIES  # registry: built-ins plus register_policy()
-
     return POLICIES.get(name)
 
 
 def _value_slot_owners() -> str:
     """'only the P policy reserves value slots (and Q<note>) ...' from the registry: the
     policies whose class sets reserves_value_slots, in registration order."""
-    from .policies import POLICIES
-
     owners = [(n, p) for n, p in POLICIES.items() if p.reserves_value_slots]
     if not owners:
         return "no registered policy reserves value slots"
@@ -113,8 +110,6 @@ class EvictionConfig:
     budget_scope: str = "head"  # who shares the older tokens' budget: head, layer or global
 
     def __post_init__(self):
-        from .policies import POLICIES  # registry: built-ins plus register_policy()
-
         known = ("full", *POLICIES)
         if self.policy not in known:
             raise ValueError(
@@ -139,13 +134,15 @@ class EvictionConfig:
         if self.shared_budget and self.policy != "full":
             policy = _policy_class(self.policy)
             if not policy.shares_budget:
-                from .policies import POLICIES
-
                 sharing = [n for n, p in POLICIES.items() if p.shares_budget]
                 raise ValueError(
                     f"budget_scope: {self.budget_scope!r} needs a policy whose scores compare "
                     f"across heads ({', '.join(sharing) or 'none registered'}); {self.policy!r} "
                     "is served per head (docs/global_budget.md)")
+            refusal = policy.shares_budget_refusal()  # register_policy refused it already
+            if refusal:
+                raise ValueError(f"budget_scope: policy {self.policy!r} sets shares_budget, "
+                                 f"but {refusal}")
             if self.elastic:
                 raise ValueError(f"budget_scope: {self.budget_scope!r} is served in fixed mode "
                                  "only (elastic cuts are not built for shared budgets)")
@@ -231,13 +228,3 @@ def check_page_size(cfg: EvictionConfig, page_size: int) -> None:
             f"least one page of {page_size} tokens, got {cfg.window}; multiples of the page "
             f"size for both budget and window move no K/V at eviction"
         )
-
-
-def __getattr__(name: str):
-    # POLICY_NAMES lives beside the registry it is derived from (policies.py imports this
-    # module, so it cannot be computed here at import time).
-    if name == "POLICY_NAMES":
-        from .policies import POLICY_NAMES
-
-        return POLICY_NAMES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,8 +36,10 @@ import torch
 
 from . import ops, rng
 from .config import EvictionConfig
+from .registry import POLICIES
 from .stream_select import (TensorCandidates, cur_leverage_streamed, mean_cosine_streamed,
-                            value_range_streamed, window_attention_streamed)
+                            mean_cosine_to_others, value_range_streamed,
+                            window_attention_streamed)
 
 
 def top_indices(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -208,6 +210,35 @@ class Policy:
             The number of value slots, 0 <= N_v <= cfg.keep - cfg.sinks.
         """
         return 0
+
+    @classmethod
+    def shares_budget_refusal(policy) -> str | None:
+        """Why `policy` (which sets shares_budget) cannot be served under a shared budget scope,
+        or None. The shared-scope step (patches/shared_scope.py, docs/add_policy.md) ranks every
+        candidate of a request's layers and heads at once from retention alone: it calls
+        score_streamed(candidates, None, None) with `candidates` of shape [L, n, H_kv] and
+        `retention` the log β and age of each, and takes the top of the raw scores. So it needs
+        needs_retention, a score_streamed of its own, no queries, no sampling and the base class's
+        select() and forced()."""
+        if not policy.shares_budget:
+            return None
+        owner = {name: next(k for k in policy.__mro__ if name in vars(k))
+                 for name in ("score_streamed", "select", "forced")}
+        needs = []
+        if not policy.needs_retention:
+            needs.append("needs_retention (the shared-scope step scores from retention gates' log "
+                         "β and age only, never K/V)")
+        if policy.needs_queries:
+            needs.append("no needs_queries (it passes no queries)")
+        if policy.samples:
+            needs.append("no samples (it takes the top of the raw scores, draws nothing)")
+        if owner["score_streamed"] is Policy:
+            needs.append("a score_streamed (what it calls)")
+        if owner["select"] is not Policy or owner["forced"] is not Policy:
+            needs.append("the base select() and forced() (it ranks the scores itself)")
+        if not needs:
+            return None
+        return "a shared budget scope needs " + "; ".join(needs) + " (docs/add_policy.md)"
 
     def score(self, keys, values, queries, draws: Draws) -> torch.Tensor:
         """How much each candidate is worth keeping: higher = keep.
@@ -399,29 +430,6 @@ class RKVPolicy(SnapKVPolicy):
         return lam * importance - (1.0 - lam) * redundancy
 
 
-def mean_cosine_to_others(keys: torch.Tensor) -> torch.Tensor:
-    """[..., n, D] -> [..., n] float32: sum over j != i of cos(k_i, k_j), divided by n (the
-    mean over a row of the cosine matrix with its diagonal zeroed, as R-KV computes it).
-
-    Without the n x n matrix: with unit rows u (normalize gives 0 for a zero key, whose
-    cosines are then 0), sum_{j != i} u_i.u_j = u_i . sum_j u_j - u_i.u_i, in O(n D) memory."""
-    unit = unit_keys(keys)
-    total = unit.sum(dim=-2, keepdim=True)  # [..., 1, D]
-    return cosine_to_others(unit, total, keys.shape[-2])
-
-
-def unit_keys(keys: torch.Tensor) -> torch.Tensor:
-    """[..., n, D] float32 keys scaled to unit norm (a zero key stays zero)."""
-    return torch.nn.functional.normalize(keys.float(), dim=-1)
-
-
-def cosine_to_others(unit: torch.Tensor, total: torch.Tensor, n: int) -> torch.Tensor:
-    """mean_cosine_to_others of the unit keys `unit` [..., c, D] (some or all of the n
-    candidates), given total [..., 1, D], the sum of all n unit keys."""
-    with_self = torch.matmul(unit, total.transpose(-1, -2)).squeeze(-1)
-    return (with_self - (unit * unit).sum(dim=-1)) / n
-
-
 @dataclass(frozen=True)
 class VaseAttnVPolicy(SnapKVPolicy):
     """VaSE-AttnV: the value_slots largest Range(v) are kept (Policy.forced), the rest
@@ -498,7 +506,7 @@ class TrimKVPolicy(Policy):
         return (r.log_beta.float() * r.age.float()).expand(shape)
 
 
-POLICIES: dict[str, type[Policy]] = {
+POLICIES.update({  # the registry (registry.py): the built-ins, then register_policy()
     "vase-attnv": VaseAttnVPolicy,
     "vase-dkv": VaseDKVPolicy,
     "snapkv": SnapKVPolicy,
@@ -508,7 +516,7 @@ POLICIES: dict[str, type[Policy]] = {
     "streaming": StreamingPolicy,
     "evict-large-values": EvictLargeValuesPolicy,
     "trimkv": TrimKVPolicy,
-}
+})
 
 
 def policy_names(*, retention: bool = True) -> tuple[str, ...]:
@@ -554,6 +562,9 @@ def register_policy(name: str, policy: type[Policy]) -> None:
         raise ValueError(f"policy: {policy!r} is not a Policy subclass")
     if name == "full" or (name in POLICIES and POLICIES[name] is not policy):
         raise ValueError(f"policy: the name {name!r} is taken")
+    refusal = policy.shares_budget_refusal()
+    if refusal:
+        raise ValueError(f"policy: {name!r} sets shares_budget, but {refusal}")
     POLICIES[name] = policy
 
 

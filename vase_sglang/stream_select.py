@@ -153,10 +153,8 @@ def window_attention_streamed(queries: torch.Tensor, candidates: Candidates, *,
 
 
 def mean_cosine_streamed(candidates: Candidates) -> torch.Tensor:
-    """policies.mean_cosine_to_others over candidate chunks [*batch, H, n] float32: pass 1 sums
+    """mean_cosine_to_others over candidate chunks [*batch, H, n] float32: pass 1 sums
     the unit keys over all n, pass 2 takes each chunk's cosines to that sum."""
-    from .policies import cosine_to_others, unit_keys
-
     total = None  # [*batch, H, 1, D]
     for _, _, k, _ in candidates.chunks(keys=True):
         part = unit_keys(k).sum(dim=-2, keepdim=True)
@@ -166,3 +164,26 @@ def mean_cosine_streamed(candidates: Candidates) -> torch.Tensor:
     for start, stop, k, _ in candidates.chunks(keys=True):
         out[..., start:stop] = cosine_to_others(unit_keys(k), total, candidates.n)
     return out
+
+
+def mean_cosine_to_others(keys: torch.Tensor) -> torch.Tensor:
+    """[..., n, D] -> [..., n] float32: sum over j != i of cos(k_i, k_j), divided by n (the
+    mean over a row of the cosine matrix with its diagonal zeroed, as R-KV computes it).
+
+    Without the n x n matrix: with unit rows u (normalize gives 0 for a zero key, whose
+    cosines are then 0), sum_{j != i} u_i.u_j = u_i . sum_j u_j - u_i.u_i, in O(n D) memory."""
+    unit = unit_keys(keys)
+    total = unit.sum(dim=-2, keepdim=True)  # [..., 1, D]
+    return cosine_to_others(unit, total, keys.shape[-2])
+
+
+def unit_keys(keys: torch.Tensor) -> torch.Tensor:
+    """[..., n, D] float32 keys scaled to unit norm (a zero key stays zero)."""
+    return torch.nn.functional.normalize(keys.float(), dim=-1)
+
+
+def cosine_to_others(unit: torch.Tensor, total: torch.Tensor, n: int) -> torch.Tensor:
+    """mean_cosine_to_others of the unit keys `unit` [..., c, D] (some or all of the n
+    candidates), given total [..., 1, D], the sum of all n unit keys."""
+    with_self = torch.matmul(unit, total.transpose(-1, -2)).squeeze(-1)
+    return (with_self - (unit * unit).sum(dim=-1)) / n
