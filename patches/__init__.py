@@ -31,6 +31,9 @@ why each is hooked, against it):
 | | `GenerateReqInput._handle_parallel_sampling` | bounded n |
 | metrics | `Scheduler.init_metrics_collector` | vase:* metrics |
 | shared_scope | `TorchNativeAttnBackend.forward_decode` | attention over cells |
+| | `TorchNativeAttnBackend._run_sdpa_forward_decode` | SDPA skips requests holding cells |
+| | `TritonAttnBackend.init_forward_metadata` | triton: plain tokens only for them |
+| | `TritonAttnBackend.forward_decode` | triton: cells merged by log-sum-exp |
 | rotary_cpu | `RotaryEmbedding.__init__` | CPU serving without vllm |
 | distributed_cpu | `GroupCoordinator.__init__` | CPU tensor parallel (gloo) |
 
