@@ -68,6 +68,21 @@ class CellView:
         i = layer * kv_heads + head
         return self.order[self.offsets[i]: self.offsets[i + 1]]
 
+    def plain(self, row_slots: torch.Tensor) -> torch.Tensor:
+        """The row's plain slots (prompt and newest tokens): without its K older columns,
+        whose cells hold tokens of any (layer, head)."""
+        return torch.cat([row_slots[:self.prefix], row_slots[self.prefix + self.keep:]])
+
+
+def cell_hits(forward_batch) -> tuple[list[int], list[tuple[int, CellView]]]:
+    """The batch's request-table rows and, for each request holding cells, (its index in the
+    batch, its CellView); ([], []) when no request of this process holds cells."""
+    rt = runtime.RUNTIME
+    if rt is None or not rt.cell_views:
+        return [], []
+    rows = forward_batch.req_pool_indices.tolist()
+    return rows, [(i, rt.cell_views[row]) for i, row in enumerate(rows) if row in rt.cell_views]
+
 
 def evict_one(rt, cfg, n: int, sinks: int, req) -> tuple[torch.Tensor, torch.Tensor]:
     """Select and pack one request's candidates under cfg.budget_scope; returns its row's
@@ -160,13 +175,10 @@ def around_forward_decode(original, backend, q, k, v, layer, forward_batch, *arg
     K/V) attends every request but those holding cells (around_sdpa_decode skips them); each
     of those is attended here per KV head over its prompt, its newest tokens and the cells it
     owns (the older slots' columns of its row hold other heads' tokens at this layer)."""
+    rows, hits = cell_hits(forward_batch)
+    if not hits or layer.is_cross_attention:
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     rt = runtime.RUNTIME
-    if rt is None or not rt.cell_views or layer.is_cross_attention:
-        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
-    rows = forward_batch.req_pool_indices.tolist()
-    hits = [(i, rt.cell_views[row]) for i, row in enumerate(rows) if row in rt.cell_views]
-    if not hits:
-        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     token = _CELL_ROWS.set(frozenset(i for i, _ in hits))
     try:
         out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
@@ -188,7 +200,7 @@ def around_forward_decode(original, backend, q, k, v, layer, forward_batch, *arg
     for i, view in hits:
         if i not in gathered:
             row_slots = backend.req_to_token_pool.req_to_token[rows[i], :lens[i]].long()
-            gathered[i] = (torch.cat([row_slots[:view.prefix], row_slots[view.prefix + view.keep:]]),
+            gathered[i] = (view.plain(row_slots),
                            torch.stack([b[view.older] for b in rt.k_buffers]).flatten(0, 2),
                            torch.stack([b[view.older] for b in rt.v_buffers]).flatten(0, 2))
         plain, cell_k, cell_v = gathered[i]
@@ -232,20 +244,19 @@ def after_triton_metadata(ret, backend, forward_batch, *args, **kwargs):
     read by SGLang's kernel over its plain tokens only (prompt and newest slots): its K older
     columns, which hold cells of any (layer, head), leave its kv_indices, and its split count
     follows its shorter length. Other requests' indices are SGLang's, unchanged."""
-    rt = runtime.RUNTIME
-    if rt is None or not rt.cell_views or not forward_batch.forward_mode.is_decode():
+    if not forward_batch.forward_mode.is_decode():
         return ret
-    rows = forward_batch.req_pool_indices.tolist()
-    if not any(row in rt.cell_views for row in rows):
+    rows, hits = cell_hits(forward_batch)
+    if not hits:
         return ret
+    views = dict(hits)
     md = backend.forward_metadata
     lens = forward_batch.seq_lens.tolist()
     pieces, plain_lens = [], []
-    for row, n in zip(rows, lens):
+    for i, (row, n) in enumerate(zip(rows, lens)):
         slots = backend.req_to_token[row, :n]
-        view = rt.cell_views.get(row)
-        if view is not None:
-            slots = torch.cat([slots[:view.prefix], slots[view.prefix + view.keep:]])
+        if i in views:
+            slots = views[i].plain(slots)
         pieces.append(slots.to(md.kv_indices.dtype))
         plain_lens.append(slots.numel())
     plain = torch.tensor(plain_lens, dtype=forward_batch.seq_lens.dtype,
@@ -268,13 +279,10 @@ def around_triton_forward_decode(original, backend, q, k, v, layer, forward_batc
     owns (ops.cell_attention, in any layer's buffer) merged in through the log-sum-exp, the
     plain part's taken from the kernel's per-split log-sum-exps (split_lse)."""
     out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    _, hits = cell_hits(forward_batch)
+    if not hits or layer.is_cross_attention:
+        return out
     rt = runtime.RUNTIME
-    if rt is None or not rt.cell_views or layer.is_cross_attention:
-        return out
-    rows = forward_batch.req_pool_indices.tolist()
-    hits = [(i, rt.cell_views[row]) for i, row in enumerate(rows) if row in rt.cell_views]
-    if not hits:
-        return out
     md = backend.forward_metadata
     q_heads = layer.tp_q_head_num
     queries = q.reshape(-1, q_heads, layer.qk_head_dim)
