@@ -11,8 +11,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from servers import (PAGE, PAGED, RADIX_OFF, RADIX_OFF_POOL, SNAPKV, VASE_ATTNV,  # noqa: E402
-                     Server, trimkv_gates)
+from servers import (PAGE, PAGED, RADIX_OFF, RADIX_OFF_POOL, VASE_ATTNV,  # noqa: E402
+                     Server, snapkv_flags, trimkv_gates)
 from vase_sglang.serving.tiny_model import build_tiny_qwen3  # noqa: E402
 
 
@@ -157,10 +157,7 @@ def snapkv_server(tiny_model_fp32, trimkv_gates_file):
     (wait_idle_checked) after its own requests."""
     # Its query rings are held in the pool (--kv-evict-ring pool), as on a server started
     # without --max-total-tokens; the other shared servers hold them beside their pools.
-    flags = ["--dtype", "float32", "--decode-log-interval", "1", "--enable-metrics",
-             "--kv-evict-ring", "pool", "--kv-evict-retention-gates", str(trimkv_gates_file)]
-    for key, value in SNAPKV.items():
-        flags += ["--kv-evict-" + key, str(value)]
+    flags = snapkv_flags(trimkv_gates_file)
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     examples_dir = os.path.join(os.path.dirname(tests_dir), "examples")
     env = {"VASE_KV_EVICT_PLUGINS": "permute_policy,fault_policy,my_policy",

@@ -66,6 +66,20 @@ for _stage in SHARED_STAGES[1:]:
     register_policy(SHARED + _stage, TrimKVPolicy)
 
 
+def _with_group_policy(evict):
+    """`evict(rt, cfg, ...)` run with _group holding cfg.policy, the policy of the step's
+    group, for the stage hooks below to read."""
+    @functools.wraps(evict)
+    def wrapped(rt, cfg, *args, **kwargs):
+        token = _group.set(cfg.policy)
+        try:
+            return evict(rt, cfg, *args, **kwargs)
+        finally:
+            _group.reset(token)
+
+    return wrapped
+
+
 def _install():
     try:
         from vase_sglang_patches import step
@@ -89,15 +103,7 @@ def _install():
         _fail_if("stage", cfg.policy)
         return stage(rt, reqs, cfg)
 
-    evict_requests = step._evict_requests
-
-    @functools.wraps(evict_requests)
-    def in_group(rt, cfg, *args, **kwargs):
-        token = _group.set(cfg.policy)
-        try:
-            return evict_requests(rt, cfg, *args, **kwargs)
-        finally:
-            _group.reset(token)
+    in_group = _with_group_policy(step._evict_requests)
 
     select_tokens = chunk_module.select_tokens
 
@@ -129,15 +135,8 @@ def _install():
 def _install_shared():
     from vase_sglang_patches import shared_scope
 
-    evict_one, pack, move_kept = shared_scope.evict_one, shared_scope.pack, shared_scope.move_kept
-
-    @functools.wraps(evict_one)
-    def one(rt, cfg, *args, **kwargs):
-        token = _group.set(cfg.policy)
-        try:
-            return evict_one(rt, cfg, *args, **kwargs)
-        finally:
-            _group.reset(token)
+    pack, move_kept = shared_scope.pack, shared_scope.move_kept
+    one = _with_group_policy(shared_scope.evict_one)
 
     @functools.wraps(pack)
     def packing(*args, **kwargs):

@@ -4,8 +4,10 @@ output in a temporary file per server)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
+import urllib.request
 
 from vase_sglang.serving import launcher
 from vase_sglang.serving.launcher import STRICT_ENV  # noqa: F401  (tests/test_stress.py names it)
@@ -27,6 +29,17 @@ PAGE = 16
 PAGED = {"policy": "snapkv", "budget": 48, "window": 16, "seed": 5}
 
 
+def snapkv_flags(gates_file) -> list[str]:
+    """The flags of the shared snapkv server (conftest.py), but its device: fp32, a decode log
+    line every step, Prometheus metrics, query rings in the pool (as on a server started
+    without --max-total-tokens), trimkv's gates, SNAPKV."""
+    flags = ["--dtype", "float32", "--decode-log-interval", "1", "--enable-metrics",
+             "--kv-evict-ring", "pool", "--kv-evict-retention-gates", str(gates_file)]
+    for key, value in SNAPKV.items():
+        flags += ["--kv-evict-" + key, str(value)]
+    return flags
+
+
 def trimkv_gates(config, seed=7):
     """Deterministic retention gates whose β spread widely (gate weights 0.5, bias 2), so
     retention, not age alone, decides what trimkv keeps."""
@@ -45,6 +58,23 @@ def serve_request(server, prompt_ids, n, seed=77, kv_evict=None):
                           sampling_params=sampling)
     return (out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]],
             out["meta_info"])
+
+
+def stream_and_abort(server, payload, after, timeout=120) -> int:
+    """POST `payload` (a /generate body with "stream": true and its "rid") and read the stream
+    until more than `after` tokens came back, then ask /abort_request for that rid. Returns the
+    last completion_tokens seen."""
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    seen = 0
+    with urllib.request.urlopen(req, timeout=timeout) as stream:
+        for line in stream:
+            if line.startswith(b"data:") and b"[DONE]" not in line:
+                seen = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                if seen > after:
+                    server.post("/abort_request", {"rid": payload["rid"]})
+                    break
+    return seen
 
 
 def reference(model, policy, prompt_ids, forced, *, budget, window, seed=5, request_key=77,

@@ -10,12 +10,12 @@ partial last page is private and evicted like generated tokens.
 """
 
 import json
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from servers import PAGE, PAGED, SNAPKV, Server, max_logprob_diff, reference, serve_request
+from servers import (PAGE, PAGED, SNAPKV, Server, max_logprob_diff, reference, serve_request,
+                     stream_and_abort)
 from vase_sglang import EvictionConfig
 
 BUDGET, WINDOW = PAGED["budget"], PAGED["window"]
@@ -135,16 +135,7 @@ def test_paged_abort_mid_generation_frees_every_page(paged_server, tokenizer):
     payload = {"input_ids": prompt, "stream": True, "rid": "abort-paged",
                "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True,
                                    "custom_params": {"kv_evict": COPY}}}
-    req = urllib.request.Request(paged_server.url + "/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    seen = 0
-    with urllib.request.urlopen(req, timeout=120) as stream:
-        for line in stream:
-            if line.startswith(b"data:") and b"[DONE]" not in line:
-                seen = json.loads(line[5:])["meta_info"]["completion_tokens"]
-                if seen > BUDGET + 4 * WINDOW:
-                    paged_server.post("/abort_request", {"rid": "abort-paged"})
-                    break
+    seen = stream_and_abort(paged_server, payload, BUDGET + 4 * WINDOW, timeout=120)
     assert seen > BUDGET + WINDOW
     paged_server.wait_idle_checked()
     used = paged_server.used_tokens()

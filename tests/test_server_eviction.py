@@ -3,16 +3,14 @@ memory checks on): faithfulness to a plain-transformers reference, footprint bou
 prefixes, aborts and edge cases."""
 
 import itertools
-import json
 import os
 import re
 import threading
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from servers import SNAPKV, Server, max_logprob_diff, reference, serve_request
+from servers import SNAPKV, Server, max_logprob_diff, reference, serve_request, stream_and_abort
 from vase_sglang import POLICY_NAMES
 from vase_sglang.pool_ring import slots_per_request
 
@@ -183,17 +181,7 @@ def test_abort_mid_generation_frees_everything(snapkv_server, tokenizer):
     before = serve_request(snapkv_server, prompt, 60)[0]
     payload = {"input_ids": prompt, "stream": True, "rid": "abort-me",
                "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
-    req = urllib.request.Request(snapkv_server.url + "/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    seen = 0
-    with urllib.request.urlopen(req, timeout=120) as stream:
-        for line in stream:
-            if line.startswith(b"data:") and b"[DONE]" not in line:
-                chunk = json.loads(line[5:])
-                seen = chunk["meta_info"]["completion_tokens"]
-                if seen > TRIGGER + 3 * WINDOW:
-                    snapkv_server.post("/abort_request", {"rid": "abort-me"})
-                    break
+    seen = stream_and_abort(snapkv_server, payload, TRIGGER + 3 * WINDOW, timeout=120)
     assert seen > TRIGGER
     snapkv_server.wait_idle_checked()
     # Still serving, with the same output as before the abort (its first 60 tokens).

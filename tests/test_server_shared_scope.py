@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servers import SNAPKV, trimkv_gates
+from servers import SNAPKV, stream_and_abort, trimkv_gates
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.global_budget import MaskedBudgetRun, Row  # noqa: E402
@@ -155,24 +155,11 @@ def test_abort_of_a_request_holding_cells_frees_its_slots_and_its_cells(snapkv_s
     """A global request aborted after several evictions: every slot comes back, and the
     request-table row it held serves the next requests with their own caches (its cells are
     dropped with the row: a stale cell view would change their outputs)."""
-    import json
-    import urllib.request
-
     prompt, out, _used = served
     payload = {"input_ids": prompt, "stream": True, "rid": "abort-cells",
                "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True,
                                    "custom_params": {"kv_evict": _request("global")}}}
-    req = urllib.request.Request(snapkv_server.url + "/generate",
-                                 data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    seen = 0
-    with urllib.request.urlopen(req, timeout=120) as stream:
-        for line in stream:
-            if line.startswith(b"data:") and b"[DONE]" not in line:
-                seen = json.loads(line[5:])["meta_info"]["completion_tokens"]
-                if seen > BUDGET + 4 * WINDOW:
-                    snapkv_server.post("/abort_request", {"rid": "abort-cells"})
-                    break
+    seen = stream_and_abort(snapkv_server, payload, BUDGET + 4 * WINDOW, timeout=120)
     assert seen > BUDGET + 4 * WINDOW
     snapkv_server.wait_idle_checked()
     assert snapkv_server.used_tokens() == 0

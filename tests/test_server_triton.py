@@ -19,15 +19,14 @@ splits' log-sum-exp merge still runs).
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from servers import SNAPKV, Server, max_logprob_diff, reference, serve_request, trimkv_gates
+from servers import (Server, max_logprob_diff, reference, serve_request, snapkv_flags,
+                     stream_and_abort, trimkv_gates)
 from vase_sglang import POLICY_NAMES
 
 BUDGET, WINDOW = 16, 4  # per request: the first round at 20 private tokens, then every 4
@@ -55,15 +54,6 @@ REQUESTS = {
 }
 
 
-def server_flags(gates_file) -> list[str]:
-    """The shared snapkv server's flags (conftest.py)."""
-    flags = ["--dtype", "float32", "--decode-log-interval", "1", "--kv-evict-ring", "pool",
-             "--kv-evict-retention-gates", str(gates_file)]
-    for key, value in SNAPKV.items():
-        flags += ["--kv-evict-" + key, str(value)]
-    return flags
-
-
 def triton_env(plugins="triton_graph_check") -> dict:
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     return {"TRITON_INTERPRET": "1", "VASE_KERNELS": "triton", "VASE_KV_EVICT_PLUGINS": plugins,
@@ -74,7 +64,7 @@ def triton_env(plugins="triton_graph_check") -> dict:
 def triton_server(tiny_model_fp32, trimkv_gates_file):
     """The snapkv server's flags on the triton backend, with tests/triton_graph_check.py
     loaded (SGLang's CUDA-graph metadata path called after every eager decode build)."""
-    with Server(tiny_model_fp32, server_flags(trimkv_gates_file) + TRITON,
+    with Server(tiny_model_fp32, snapkv_flags(trimkv_gates_file) + TRITON,
                 env=triton_env()) as server:
         yield server
 
@@ -187,17 +177,7 @@ def test_abort_mid_generation_frees_everything(served, triton_server, tokenizer)
     payload = {"input_ids": prompt, "stream": True, "rid": "abort-triton",
                "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True,
                                    "custom_params": {"kv_evict": kv}}}
-    req = urllib.request.Request(triton_server.url + "/generate",
-                                 data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    seen = 0
-    with urllib.request.urlopen(req, timeout=300) as stream:
-        for line in stream:
-            if line.startswith(b"data:") and b"[DONE]" not in line:
-                seen = json.loads(line[5:])["meta_info"]["completion_tokens"]
-                if seen > BUDGET + 3 * WINDOW:
-                    triton_server.post("/abort_request", {"rid": "abort-triton"})
-                    break
+    seen = stream_and_abort(triton_server, payload, BUDGET + 3 * WINDOW, timeout=300)
     assert seen > BUDGET + WINDOW
     triton_server.wait_idle_checked()
     assert triton_server.used_tokens() == 0
