@@ -14,8 +14,8 @@ evicted but not compared with the reference: SGLang's Triton decode kernel round
 weights to the KV dtype before the P·V product (`tl.dot(p.to(v.dtype), v)`), so its output is
 off an exact softmax by about 0.04 on unit-scale data in fp8 (measured in the interpreter), far
 above what the eviction could be checked to (the tiny model's logprobs move by 0.1 to 0.8); its
-prefill attends the prompt's own K/V unrounded where no prefix is cached (radix off:
-ReferenceDecoder(fresh_extend_kv=True) matched the first token to 1e-6), and with the radix
+prefill attends the prompt's own K/V unrounded where no prefix is cached (radix off: a reference
+doing the same, tried once and not kept, matched the first token to 1e-6), and with the radix
 cache on the first token differed from both references by about 0.09 (not traced further).
 
 Requests are sent one at a time (SGLang's test knob never retracts a lone request), then three

@@ -16,8 +16,6 @@ teacher-forced fidelity measurements. Semantics mirrored from the plugin:
     --kv-cache-dtype fp8_e4m3 / fp8_e5m2 with scale 1): every K/V is rounded to that dtype as
     it is cached (SGLang casts it to the pool's dtype when it stores it), and attention and
     scores read the rounded values (torch_native casts them back to the query's dtype);
-    with `fresh_extend_kv` the prefill attends its own tokens unrounded, as SGLang's triton
-    backend's extend kernel does;
   - trimkv (`gates=`): log β of every token from the gates when it is processed (attention
     input of each layer), kept per (layer, KV head) with the token's true position and compacted
     with K/V; age = position of the next token - the token's position.
@@ -52,37 +50,24 @@ def attention_params(model) -> AttentionParams:
     return AttentionParams.of_layer(scaling, softcap, head_dim)
 
 
-def round_cache_writes(cache, dtype: torch.dtype, fresh_extend: bool = False) -> None:
+def round_cache_writes(cache, dtype: torch.dtype) -> None:
     """Make `cache` (a transformers Cache) store every new K/V rounded to `dtype` and hand
-    attention the rounded values, in the model's dtype: a KV cache kept in `dtype`.
-    fresh_extend: a forward of more than one token (the prefill) attends its own tokens with
-    their K/V as computed, unrounded, and only the cached ones rounded, as SGLang's triton
-    backend does (its extend kernel reads the new tokens' K/V from the forward, the prefix
-    from the cache; its decode kernel reads everything from the cache)."""
+    attention the rounded values, in the model's dtype: a KV cache kept in `dtype`."""
     update = cache.update
 
     def rounded(key_states, value_states, *args, **kwargs):
-        keys, values = update(key_states.to(dtype).to(key_states.dtype),
-                              value_states.to(dtype).to(value_states.dtype), *args, **kwargs)
-        n = key_states.shape[-2]
-        if fresh_extend and n > 1:
-            keys = torch.cat([keys[..., :-n, :], key_states], dim=-2)
-            values = torch.cat([values[..., :-n, :], value_states], dim=-2)
-        return keys, values
+        return update(key_states.to(dtype).to(key_states.dtype),
+                      value_states.to(dtype).to(value_states.dtype), *args, **kwargs)
 
     cache.update = rounded
 
 
 class ReferenceDecoder:
     def __init__(self, model, cfg: EvictionConfig, *, protect_prompt: bool = True,
-                 page_size: int = 1, gates=None, kv_dtype: torch.dtype | None = None,
-                 fresh_extend_kv: bool = False):
+                 page_size: int = 1, gates=None, kv_dtype: torch.dtype | None = None):
         """gates: retention gates for trimkv (a RetentionGates or a gates file path);
-        kv_dtype: the dtype K/V are cached in (None: the model's); fresh_extend_kv: with
-        kv_dtype, the prefill attends its own tokens unrounded (SGLang's triton backend;
-        round_cache_writes)."""
+        kv_dtype: the dtype K/V are cached in (None: the model's)."""
         self.kv_dtype = kv_dtype
-        self.fresh_extend_kv = fresh_extend_kv
         self.model = model.eval()
         self.gates = self._gates_for(model, cfg, gates)
         self.cfg = cfg
@@ -186,7 +171,7 @@ class ReferenceDecoder:
         steps = len(forced_ids) if forced_ids is not None else max_new_tokens
         cache = DynamicCache()
         if self.kv_dtype is not None:
-            round_cache_writes(cache, self.kv_dtype, self.fresh_extend_kv)
+            round_cache_writes(cache, self.kv_dtype)
         window_q: list[list[torch.Tensor]] = []  # per layer: recent [H_q, D] queries
         tokens, logprobs = [], []
         prefix = len(prompt_ids) // self.page_size * self.page_size if self.protect_prompt else 0
