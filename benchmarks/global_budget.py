@@ -56,7 +56,7 @@ from vase_sglang import ops  # noqa: E402
 from vase_sglang.config import EvictionConfig  # noqa: E402
 from vase_sglang.policies import (  # noqa: E402
     POLICIES, Draws, Retention, VaseAttnVPolicy, needs_gates, select_tokens, top_indices)
-from vase_sglang.serving.hf_reference import attention_params  # noqa: E402
+from vase_sglang.serving.hf_reference import attention_params, round_cache_writes  # noqa: E402
 
 MASKED_ATTENTION = "vase_masked_heads"
 
@@ -103,12 +103,13 @@ def install(model) -> None:
     model.set_attn_implementation(MASKED_ATTENTION)
 
 
-def schedule(steps: int, budget: int, window: int) -> list[list[int]]:
+def schedule(steps: int, budget: int, window: int, private: int = 0) -> list[list[int]]:
     """The teacher-forced steps grouped into forwards: [[0], [1, ..], ..]; an eviction runs
-    before each group but the first two. Mirrors ReferenceDecoder.run (page size 1, prompt
-    protected): step 0 is the prefill, step s >= 1 feeds forced[s - 1]; after step s >= 1, if
-    the private cache holds budget + window tokens, it is cut to budget."""
-    groups, private, current = [[0]], 0, []
+    before each group but the first two. Mirrors ReferenceDecoder.run (page size 1): step 0 is
+    the prefill, step s >= 1 feeds forced[s - 1]; after step s >= 1, if the private cache holds
+    budget + window tokens, it is cut to budget. `private`: the private tokens after the
+    prefill (0: the radix tree owns the prompt; the prompt's length without the radix cache)."""
+    groups, current = [[0]], []
     for step in range(1, steps):
         current.append(step)
         private += 1
@@ -184,7 +185,11 @@ class MaskedBudgetRun:
     `gates` are needed for trimkv rows only."""
 
     def __init__(self, model, gates=None, *, budget: int, window: int, sinks: int = 4,
-                 seed: int = 0):
+                 seed: int = 0, protect_prompt: bool = True, kv_dtype: torch.dtype | None = None):
+        """protect_prompt=False: the prompt is private and evicted too (a server with
+        --disable-radix-cache); kv_dtype: the dtype K/V are cached in (an fp8 cache with
+        scale 1, as ReferenceDecoder's), None: the model's."""
+        self.protect_prompt, self.kv_dtype = protect_prompt, kv_dtype
         self.model = model.eval()
         self.gates = None
         if gates is not None:
@@ -224,6 +229,8 @@ class MaskedBudgetRun:
         log_beta = [torch.zeros(B, H, cap) for _ in range(L)] if self.gates is not None else None
         sink: dict = {}
         cache = DynamicCache()
+        if self.kv_dtype is not None:
+            round_cache_writes(cache, self.kv_dtype)
         out = torch.empty(B, steps, self.model.config.vocab_size)
         counts = []
         _MASKS.alive, _MASKS.queries, _MASKS.window = alive, {}, self.window
@@ -232,7 +239,8 @@ class MaskedBudgetRun:
         rounds = 0
         try:
             with retention:
-                for gi, group in enumerate(schedule(steps, self.budget, self.window)):
+                for gi, group in enumerate(schedule(steps, self.budget, self.window,
+                                                          0 if self.protect_prompt else P)):
                     if gi >= 2:
                         state = _State(cache, alive, log_beta, _MASKS.queries, P,
                                        P + group[0] - 1, request_key, rounds)
@@ -263,8 +271,10 @@ class MaskedBudgetRun:
         L, H = self.layers, self.kv_heads
         keep = self.budget - self.window
         P, now = state.P, state.now
-        lo, hi = P, now - self.window  # candidates: private, older than the window
-        sinks = max(0, self.sinks - P)  # the protected prompt holds the sinks (as served)
+        # candidates: private, older than the window; a protected prompt holds the sinks
+        lo = P if self.protect_prompt else 0
+        hi = now - self.window
+        sinks = max(0, self.sinks - lo)
         kept_counts = []
         for b, row in enumerate(rows):
             if row.policy == "full":
@@ -291,10 +301,10 @@ class MaskedBudgetRun:
                 kept = self._served_per_head(state, b, row.policy, cand, lo, sinks)
             else:
                 kept = self._pooled(state, b, row, cand, lo, sinks, keep)
-            before = sum(int(a[b, :, P:now].sum()) for a in state.alive)
+            before = sum(int(a[b, :, lo:now].sum()) for a in state.alive)
             for layer in range(L):
                 state.alive[layer][b, :, lo:hi] = kept[layer]
-            after = sum(int(a[b, :, P:now].sum()) for a in state.alive)
+            after = sum(int(a[b, :, lo:now].sum()) for a in state.alive)
             # the same memory in every row: L · H · budget private tokens after the cut
             if after != L * H * self.budget:
                 raise AssertionError(f"{row.name}: {after} private tokens kept (from {before}), "

@@ -30,7 +30,8 @@ from .settings import (GRID, MAX_BUDGET, MAX_SETTINGS, MIN_WINDOW, SETTINGS_IDLE
                        published_shared_scope_refusal)
 
 KEY = "kv_evict"
-FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed", "mode", "budget_scope")
+FIELDS = ("policy", "budget", "window", "value_slots", "sinks", "seed", "mode", "budget_scope",
+          "head_floor")
 TARGET_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 
 
@@ -66,7 +67,7 @@ def effective_config(custom_params, server_cfg: EvictionConfig | None,
         # servers started with a policy.
         _fail(None, "this server was started without --kv-evict-policy, so it cannot evict; "
                     "start it with --kv-evict-policy (requests can still turn eviction off)")
-    for field in ("budget", "window", "value_slots", "sinks", "seed"):
+    for field in ("budget", "window", "value_slots", "sinks", "seed", "head_floor"):
         v = value.get(field)
         if field in value and (isinstance(v, bool) or not isinstance(v, int)):
             _fail(field, f"must be an integer, got {v!r}")

@@ -67,9 +67,14 @@ FLAGS = {
                      "share their total) or global (all layers and heads share one total; the "
                      "same slots, heads keep unequal counts; docs/global_budget.md). Shared "
                      "scopes need a policy whose scores compare across heads (trimkv) and are "
-                     "served on CPU with --page-size 1 and dp 1 (with tp, each rank's heads "
-                     "share its part). Also per request: "
+                     "served on CPU with --page-size 1 (with tp, each rank's heads share its "
+                     "part). Also per request: "
                      "custom_params.kv_evict.budget_scope."),
+    "head-floor": ("head_floor", int, "Shared budget scopes: older tokens every layer and KV "
+                   "head keeps whatever the others score (sinks count in it; at most budget - "
+                   "window, which is the per-head budget). Default 0, measured best "
+                   "(docs/global_budget.md). Ignored per head. Also per request: "
+                   "custom_params.kv_evict.head_floor."),
     "workspace-mb": ("workspace_mb", int, "MiB reserved at startup for one eviction step "
                      "(gathered K/V and score temporaries; the step is chunked over layers and "
                      "requests to stay inside it). Default: sized for 64 requests of one layer "

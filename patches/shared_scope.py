@@ -139,7 +139,7 @@ def _select(rt, cfg, n: int, sinks: int, req, row_slots):
         raise ValueError(f"policy {cfg.policy!r}: scored a shared scope as {tuple(score.shape)}, "
                          f"not [layers, candidates, KV heads] {tuple(log_beta.shape)}")
     score = score.masked_fill(position < prefix + sinks, float("inf"))  # sinks: always kept
-    keep = select_shared(score, owner, position, K, cfg.budget_scope)
+    keep = select_shared(score, owner, position, K, cfg.budget_scope, cfg.floor)
     return keep, position, CellMap(cells.owner, position[:, :K], cfg.budget_scope)
 
 

@@ -186,8 +186,10 @@ def decode_attention_backend(server_args) -> str | None:
 def shared_scope_refusal(server_args, page_size: int) -> str | None:
     """Why a launch cannot serve --kv-evict-budget-scope layer/global (docs/global_budget.md),
     None where it can: the cells are read by a CPU attention hook (torch_native or triton), packed with
-    pages of one token, with the radix cache, on one data-parallel worker, in 16/32-bit K/V. Tensor parallel ranks
-    each rank their own KV heads within their part of the budget (tests/test_parallel.py)."""
+    pages of one token, in 16/32-bit K/V. Tensor parallel ranks each rank their own KV heads
+    within their part of the budget, data-parallel workers their own requests, and without the
+    radix cache the prompt is a candidate too (tests/test_parallel.py,
+    tests/test_server_shared_scope.py)."""
     device = getattr(server_args, "device", None)
     if device not in (None, "cpu"):
         return (f"--device {device}: shared budget scopes are served on CPU only (torch_native "
@@ -200,12 +202,6 @@ def shared_scope_refusal(server_args, page_size: int) -> str | None:
                 f"request's cells is not wired into {backend})")
     if page_size != 1:
         return f"--page-size {page_size}: shared budget scopes are served with pages of 1 only"
-    if getattr(server_args, "disable_radix_cache", False):
-        return ("--disable-radix-cache: shared budget scopes are not tested without the radix "
-                "cache (the prompt would be private and evicted with the outputs)")
-    dp = getattr(server_args, "dp_size", 1) or 1
-    if dp != 1:
-        return f"--dp-size {dp}: shared budget scopes are not tested with data parallelism"
     dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
     if dtype.startswith("fp8"):
         return f"--kv-cache-dtype {dtype}: shared budget scopes are not tested with fp8 K/V"

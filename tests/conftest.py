@@ -173,10 +173,12 @@ def stock_server(tiny_model_fp32):
 
 
 @pytest.fixture(scope="session")
-def radix_off_server(tiny_model_fp32):
+def radix_off_server(tiny_model_fp32, trimkv_gates_file):
     """tiny fp32 Qwen3, --disable-radix-cache, vase-attnv (RADIX_OFF) on a RADIX_OFF_POOL-token
-    pool, a decode log line every step."""
-    flags = ["--dtype", "float32", "--decode-log-interval", "1", "--disable-radix-cache"]
+    pool, a decode log line every step, trimkv's gates loaded (so requests may ask for trimkv
+    and its shared scopes)."""
+    flags = ["--dtype", "float32", "--decode-log-interval", "1", "--disable-radix-cache",
+             "--kv-evict-retention-gates", str(trimkv_gates_file)]
     for key, value in RADIX_OFF.items():
         flags += ["--kv-evict-" + key, str(value)]
     yield from _shared_server("radix_off_server", tiny_model_fp32, flags,

@@ -160,7 +160,7 @@ def test_bad_setting_is_refused_at_startup_naming_the_flag(startup_error, flags,
 
 
 def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, trimkv_gates_file):
-    """Shared budget scopes are served at pages of one token on one CPU rank
+    """Shared budget scopes are served at pages of one token on CPU
     (supported.shared_scope_refusal): other launches stop naming the flag and the reason."""
     trimkv = ["--kv-evict-policy", "trimkv", "--kv-evict-retention-gates", str(trimkv_gates_file),
               "--kv-evict-budget-scope", "global", "--kv-evict-window", "16"]
@@ -168,9 +168,10 @@ def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, t
     message = startup_error(trimkv + ["--page-size", "16"], {})
     assert message is not None and ("--kv-evict-budget-scope=global cannot be served here: "
                                     "--page-size 16") in message, message
-    message = startup_error(trimkv + ["--disable-radix-cache"], {})
-    assert message is not None and "--disable-radix-cache: shared budget scopes are not tested" \
-        in message, message
+    # served without the radix cache and under data parallelism (test_server_shared_scope.py,
+    # test_parallel.py); refused before
+    assert startup_error(trimkv + ["--disable-radix-cache"], {}) is None
+    assert startup_error(trimkv + ["--dp-size", "2"], {}) is None
     message = startup_error(trimkv + ["--kv-evict-mode", "elastic"], {})
     assert message is not None and "--kv-evict-budget-scope: 'global' is served in fixed mode" \
         in message, message
@@ -280,7 +281,10 @@ REQUEST_CASES = [
     ({"policy": "vase-attnv", "value_slots": 5}, "kv_evict.value_slots: must be a multiple of 2 "
                                                  "(--kv-evict-grid); got 5"),
     ("off", "kv_evict: expected false, true or an object with keys policy, budget, window, "
-            "value_slots, sinks, seed, mode, budget_scope; got 'off'"),
+            "value_slots, sinks, seed, mode, budget_scope, head_floor; got 'off'"),
+    ({"head_floor": -1}, "kv_evict.head_floor: must be >= 0, got -1"),
+    ({"head_floor": "4"}, "kv_evict.head_floor: must be an integer, got '4'"),
+    ({"head_floor": 2**30}, f"kv_evict.head_floor: must be <= {2**24}, got {2**30}"),
 ]
 PROMPT = "The quick brown fox"
 

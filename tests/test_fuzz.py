@@ -225,6 +225,7 @@ KV_FIELDS = {  # valid values on this server first, then anything
     "mode": st.one_of(st.sampled_from(MODES), st.sampled_from(MODES), JUNK),
     "budget_scope": st.one_of(st.just("head"), st.just("head"), st.sampled_from(BUDGET_SCOPES),
                               st.sampled_from(["", "Global", "all", "heads"]), JUNK),
+    "head_floor": hostile([0, 2, 4, 12]),
 }
 # Budgets down to 8 and windows down to 2 (the server's grid and least window): their requests
 # are charged so little that more of them fit the pool than the query rings beside it hold
@@ -249,7 +250,8 @@ VALID_KV = st.tuples(st.fixed_dictionaries({"mode": st.sampled_from(MODES)}, opt
 # A shared budget scope, served (trimkv with the server's gates, fixed mode, no value slots).
 VALID_SHARED = st.tuples(st.fixed_dictionaries(
     {"policy": st.just("trimkv"), "budget_scope": st.sampled_from(["global", "layer"])},
-    optional={"sinks": st.sampled_from([0, 2, 4]), "seed": st.sampled_from([0, 7, 2**63 - 1])}),
+    optional={"sinks": st.sampled_from([0, 2, 4]), "seed": st.sampled_from([0, 7, 2**63 - 1]),
+              "head_floor": st.sampled_from([0, 1, 4, 64])}),
     SIZES).map(_sized)
 HOSTILE_KV = st.fixed_dictionaries({}, optional=KV_FIELDS)
 # Valid settings but one field: what a check that misses one field lets through.

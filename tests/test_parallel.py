@@ -116,6 +116,47 @@ def test_tp2_global_budget_is_each_ranks_heads_sharing_its_part(tp2_server, tiny
     tp2_server.wait_idle_checked()
 
 
+def test_dp2_serves_the_global_budget_on_either_worker(dp2_server, tiny_model_fp32, gates_file):
+    """--dp-size 2: each worker holds the cells of its own requests. The same global request
+    on each worker at once (routed_dp_rank) and a per-head one beside them: both global ones
+    equal the reference's one-process global row, and differ from its per-head row; every
+    slot comes back on both workers (strict checks, pool empty)."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.global_budget import MaskedBudgetRun, Row
+
+    prompt = [(19 * i + 7) % 800 + 10 for i in range(12)]
+
+    def serve(scope, rank):
+        out = dp2_server.generate(input_ids=prompt, max_new_tokens=100, return_logprob=True,
+                                  routed_dp_rank=rank,
+                                  sampling_params={"ignore_eos": True, "custom_params": {
+                                      "kv_evict": {"policy": "trimkv", "budget_scope": scope}}})
+        return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], \
+            out["meta_info"]
+
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(serve, ["global", "global", "head"], [0, 1, 0]))
+    dp2_server.wait_idle_checked()
+    assert dp2_server.used_tokens() == 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
+    run = MaskedBudgetRun(model, gates_file, budget=BUDGET, window=WINDOW, seed=SEED)
+    for tokens, served, meta in got[:2]:
+        assert meta["kv_evicted_tokens"] > 0
+        logprobs, _ = run.run(prompt, tokens, [Row("trimkv", "global"),
+                                               Row("trimkv", "per-head")])
+        glob, head = ([float(logprobs[b, t, tok]) for t, tok in enumerate(tokens)]
+                      for b in range(2))
+        assert max(abs(a - b) for a, b in zip(served, glob)) < TOL
+        assert max(abs(a - b) for a, b in zip(served, head)) > 1e-2
+    assert got[0][0] == got[1][0]
+
+
 def test_tp2_frees_the_same_slots_on_every_rank(tp2_server):
     """Both ranks keep one allocator each and take the same eviction decisions from the same
     host-side lengths; a mismatch shows as a leak or a conservation error in SGLang's strict
@@ -141,9 +182,16 @@ def _scrape(server) -> list[tuple[str, dict, float]]:
     return rows
 
 
+def _evictions(server) -> dict[str, float]:
+    """vase:evictions_total per DP rank."""
+    return {labels.get("dp_rank"): value for name, labels, value in _scrape(server)
+            if name == "vase:evictions_total"}
+
+
 @pytest.fixture(scope="module")
-def dp2_server(tiny_model_fp32):
-    with Server(tiny_model_fp32, _args("--dp-size", "2", "--enable-metrics"), env=TWO_RANKS) as server:
+def dp2_server(tiny_model_fp32, gates_file):
+    args = _args("--dp-size", "2", "--enable-metrics", "--kv-evict-retention-gates", str(gates_file))
+    with Server(tiny_model_fp32, args, env=TWO_RANKS) as server:
         yield server
 
 
@@ -152,7 +200,8 @@ def test_dp2_each_worker_evicts_its_own_requests(dp2_server):
     and counts are right whichever worker serves a request; metrics carry the DP rank."""
     n = 100
     budgets = [BUDGET, 48, BUDGET, 48]
-    server = dp2_server  # the module's, fresh: the metrics below count from its start
+    server = dp2_server
+    before = _evictions(server)  # counted from the server's start: other tests evict too
     results = [None] * len(budgets)
 
     def run(i):
@@ -167,15 +216,14 @@ def test_dp2_each_worker_evicts_its_own_requests(dp2_server):
     for t in threads:
         t.join()
     server.wait_idle_checked()
-    rows = _scrape(server)
     for budget, out in zip(budgets, results):
         trigger = budget + WINDOW
         # First eviction before the step after `trigger` private tokens, then every WINDOW.
         rounds = 1 + (n - trigger - 2) // WINDOW
         assert len(out["output_ids"]) == n
         assert out["meta_info"]["kv_evicted_tokens"] == rounds * WINDOW
-    evictions = {labels.get("dp_rank"): value for name, labels, value in rows
-                 if name == "vase:evictions_total"}
+    after = _evictions(server)
+    evictions = {rank: value - before.get(rank, 0) for rank, value in after.items()}
     # Requests are spread over both workers (round robin), and each reports its own.
     assert set(evictions) == {"0", "1"}, evictions
     assert all(v > 0 for v in evictions.values())
@@ -189,8 +237,7 @@ STOCHASTIC = ["vase-attnv", "vase-dkv", "curdkv", "random"]
 def test_the_same_request_gives_the_same_text_on_every_run_replica_and_tp(dp2_server, tp2_server):
     """Greedy and no rid or seed: the draws are keyed by the request's tokens (not by its
     random rid), so a request gives the same text on every run, on either data-parallel
-    worker (tp = 1 schedulers: requests go round robin) and at tp = 2. Runs after the dp2
-    test, whose metrics count from the server's start."""
+    worker (tp = 1 schedulers: requests go round robin) and at tp = 2."""
     prompt = [(13 * i + 5) % 700 + 30 for i in range(10)]
 
     def text(server, policy, **sampling):

@@ -36,10 +36,10 @@ def _request(scope):
             "budget_scope": scope}
 
 
-def _serve(server, prompt, scope):
+def _serve(server, prompt, scope, **kv_evict):
     out = server.generate(input_ids=prompt, max_new_tokens=N_TOKENS, return_logprob=True,
-                          sampling_params={"ignore_eos": True,
-                                           "custom_params": {"kv_evict": _request(scope)}})
+                          sampling_params={"ignore_eos": True, "custom_params": {
+                              "kv_evict": {**_request(scope), **kv_evict}}})
     meta = out["meta_info"]
     return out["output_ids"], [x[0] for x in meta["output_token_logprobs"]], meta
 
@@ -93,6 +93,48 @@ def test_global_differs_from_per_head_so_the_comparison_can_fail(served, referen
     prompt, out, _used = served
     ids, logprobs, _meta = out["global"]
     assert _max_diff(logprobs, _row_logprobs(reference, prompt, ids, "head")) > 100 * TOL
+
+
+FLOOR = 4  # older tokens per (layer, KV head): binds on these gates (checked below)
+
+
+def test_the_per_head_floor_is_the_reference_floor_row(snapkv_server, served, reference):
+    """kv_evict.head_floor: under the global scope every (layer, KV head) first keeps its
+    FLOOR best older tokens. Served, the request equals the reference's global row with that
+    floor; the floor binds (the floor-0 row leaves some head under it) and changes the cache
+    (the served logprobs differ from the floor-0 row's)."""
+    prompt, out, _used = served
+    ids, logprobs, meta = _serve(snapkv_server, prompt, "global", head_floor=FLOOR)
+    snapkv_server.wait_idle_checked()
+    assert meta["kv_evicted_tokens"] == out["global"][2]["kv_evicted_tokens"] > 0
+    rows = [Row("trimkv", "global", FLOOR), Row("trimkv", "global")]
+    ref, counts = reference.run(prompt, ids, rows)
+    floored, free = ([float(ref[b, t, tok]) for t, tok in enumerate(ids)] for b in range(2))
+    assert min(int(c[1].min()) for c in counts) < FLOOR <= min(int(c[0].min()) for c in counts)
+    assert _max_diff(logprobs, floored) < TOL
+    assert _max_diff(logprobs, free) > 100 * TOL
+
+
+def test_without_the_radix_cache_the_prompt_is_a_candidate_too(radix_off_server, tokenizer,
+                                                               reference, tiny_model_fp32):
+    """--disable-radix-cache: the prompt is private, so its tokens compete for the global
+    budget with the generated ones (sinks: the sequence's first tokens). Served, the request
+    equals the reference's global row with the prompt unprotected, and not the row that
+    protects it; every slot comes back."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = tokenizer("Without the radix cache, the prompt's tokens compete for the "
+                       "global budget")["input_ids"]
+    ids, logprobs, meta = _serve(radix_off_server, prompt, "global")
+    radix_off_server.wait_idle_checked()
+    assert radix_off_server.used_tokens() == 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
+    private = MaskedBudgetRun(model, trimkv_gates(model.config), budget=BUDGET, window=WINDOW,
+                              sinks=SINKS, seed=SNAPKV["seed"], protect_prompt=False)
+    unprotected, _ = private.run(prompt, ids, [Row("trimkv", "global")])
+    assert meta["kv_evicted_tokens"] > 0
+    assert _max_diff(logprobs, [float(unprotected[0, t, tok]) for t, tok in enumerate(ids)]) < TOL
+    assert _max_diff(logprobs, _row_logprobs(reference, prompt, ids, "global")) > 100 * TOL
 
 
 def _held_during_decode(server, prompt, kv_evict):

@@ -25,6 +25,10 @@ Vocabulary (kept identical in the SGLang flags `--kv-evict-*`):
                 "layer": a layer's KV heads share H·K; "global": all layers and heads share
                 L·H·K (docs/global_budget.md). The same slots either way; shared scopes
                 need a policy whose scores compare across heads (Policy.shares_budget).
+  head_floor    shared scopes: older tokens each (layer, KV head) keeps whatever the others
+                score (the reference's min_tokens_per_head), at most K = T - R; sinks count
+                in it. Default 0: measured best on the real model (docs/global_budget.md,
+                "The per-head floor"). Per head every head keeps K anyway: ignored there.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ INT_RANGES = {
     "window": (1, MAX_TOKENS),
     "value_slots": (0, MAX_TOKENS),
     "sinks": (0, MAX_TOKENS),
+    "head_floor": (0, MAX_TOKENS),
     "seed": (0, MAX_SEED),
     "ceiling": (2, MAX_TOKENS),
     "workspace_mb": (1, 1 << 24),  # 16 TiB
@@ -108,6 +113,7 @@ class EvictionConfig:
     mode: str = "fixed"  # "fixed" or "elastic" (T is a floor, cut under memory pressure only)
     ceiling: int | None = None  # elastic: cut back to it at ceiling + window without pressure
     budget_scope: str = "head"  # who shares the older tokens' budget: head, layer or global
+    head_floor: int = 0  # shared scopes: older tokens every (layer, KV head) keeps, <= keep
 
     def __post_init__(self):
         known = ("full", *POLICIES)
@@ -115,7 +121,8 @@ class EvictionConfig:
             raise ValueError(
                 f"policy: unknown policy {self.policy!r}; choose one of {', '.join(known)}"
             )
-        for name in ("budget", "window", "sinks", "seed", "pool_kernel", "projection_rank"):
+        for name in ("budget", "window", "sinks", "seed", "head_floor", "pool_kernel",
+                     "projection_rank"):
             check_int(name, getattr(self, name))
         if self.budget <= self.window:
             raise ValueError(
@@ -187,6 +194,12 @@ class EvictionConfig:
         if self.value_slots is None:
             return policy.default_value_slots(self)
         return self.value_slots
+
+    @property
+    def floor(self) -> int:
+        """The per-head floor in effect under a shared scope: head_floor, at most K (a floor
+        of K is the per-head budget); 0 per head."""
+        return min(self.head_floor, self.keep) if self.shared_budget else 0
 
     @property
     def shared_budget(self) -> bool:
