@@ -224,11 +224,14 @@ RETRACT_INTERVAL = 60
 
 
 @pytest.fixture(scope="module")
-def retracting_server(tiny_model_fp32):
+def retracting_server(tiny_model_fp32, trimkv_gates_file):
     # SGLang's test knob: every RETRACT_INTERVAL forward steps the scheduler retracts running
-    # requests (retract_decode: one, as memory is not short; a lone request never).
+    # requests (retract_decode: one, as memory is not short; a lone request never). trimkv's
+    # gates are loaded so that requests may ask for the global scope.
     env = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": str(RETRACT_INTERVAL)}
-    with Server(tiny_model_fp32, _args("snapkv", "--decode-log-interval", "1"), env=env) as server:
+    flags = _args("snapkv", "--decode-log-interval", "1",
+                  "--kv-evict-retention-gates", str(trimkv_gates_file))
+    with Server(tiny_model_fp32, flags, env=env) as server:
         yield server
 
 
@@ -309,4 +312,31 @@ def test_retracted_compacted_request_returns_to_its_capped_footprint(retracting_
     assert len(usage) > n // 2 and max(usage) <= bound, (bound, usage)
     alone = [serve_request(retracting_server, p, n)[0] for p in prompts[1:]]
     assert [o["output_ids"] for o in out[1:]] == alone
+    retracting_server.wait_idle_checked()
+
+
+def test_a_retracted_request_holding_cells_gives_them_back(retracting_server, tokenizer):
+    """Three trimkv requests under the global budget at once: SGLang retracts the longest
+    prompt over and over, each time after it has evicted into cells (its first eviction comes
+    at 40 private tokens, the first retraction at step 60). Each retraction drops its cells
+    with its row (scheduler.around_release_kv_cache -> shared_scope.forget); it re-prefills in
+    the plain layout and evicts into cells again. The others give the outputs they give alone,
+    every slot comes back and SGLang's strict checks stay silent."""
+    kv = {"policy": "trimkv", "budget_scope": "global"}
+    prompts = [tokenizer("Request G: the quick brown fox jumps over the lazy dog again and "
+                         "again while the cat sleeps")["input_ids"],
+               tokenizer("Request 1: global cells")["input_ids"],
+               tokenizer("Request 2: 0 1 2 3")["input_ids"]]
+    n = 300
+    out = _batch(retracting_server, prompts, n, kv_evict=[kv] * 3)
+    retracted = _retractions(out)
+    assert retracted[0] >= 2 and retracted[1:] == [0, 0], retracted
+    assert [len(o["output_ids"]) for o in out] == [n] * 3
+    assert all(o["meta_info"]["kv_evicted_tokens"] > 0 for o in out)
+    retracting_server.wait_idle_checked()
+    assert retracting_server.used_tokens() == 0
+    alone = [serve_request(retracting_server, p, n, kv_evict=kv) for p in prompts]
+    assert [o["output_ids"] for o in out[1:]] == [a[0] for a in alone[1:]]
+    # retracted, it re-prefilled everything so far and evicted it again: more tokens left
+    assert out[0]["meta_info"]["kv_evicted_tokens"] > alone[0][2]["kv_evicted_tokens"]
     retracting_server.wait_idle_checked()
