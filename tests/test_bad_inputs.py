@@ -172,6 +172,12 @@ def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, t
     # test_parallel.py); refused before
     assert startup_error(trimkv + ["--disable-radix-cache"], {}) is None
     assert startup_error(trimkv + ["--dp-size", "2"], {}) is None
+    # fp8 K/V: on torch_native (test_server_fp8.py), not on the triton backend
+    assert startup_error(trimkv + ["--kv-cache-dtype", "fp8_e4m3"], {}) is None
+    message = startup_error(trimkv + ["--kv-cache-dtype", "fp8_e5m2", "--attention-backend",
+                                      "triton"], {})
+    assert message is not None and ("--kv-cache-dtype fp8_e5m2: shared budget scopes keep fp8 "
+                                    "K/V on the torch_native backend only") in message, message
     message = startup_error(trimkv + ["--kv-evict-mode", "elastic"], {})
     assert message is not None and "--kv-evict-budget-scope: 'global' is served in fixed mode" \
         in message, message

@@ -42,9 +42,12 @@ def _args(kv_dtype, policy=None, budget=BUDGET, window=WINDOW, *extra):
 
 
 @pytest.fixture(scope="module")
-def e4m3_server(tiny_model_fp32):
-    """snapkv records the window queries, so every policy can be asked for per request."""
-    with Server(tiny_model_fp32, _args("fp8_e4m3", "snapkv")) as server:
+def e4m3_server(tiny_model_fp32, trimkv_gates_file):
+    """snapkv records the window queries, so every policy can be asked for per request;
+    trimkv's gates are loaded for the shared budget scopes."""
+    flags = _args("fp8_e4m3", "snapkv", BUDGET, WINDOW,
+                  "--kv-evict-retention-gates", str(trimkv_gates_file))
+    with Server(tiny_model_fp32, flags) as server:
         yield server
 
 
@@ -96,6 +99,41 @@ def _greedy(server, kv_evict=None, n=160):
         params["custom_params"] = {"kv_evict": kv_evict}
     out = server.post("/generate", {"text": PROMPTS, "sampling_params": params})
     return [o["output_ids"] for o in out], [o["meta_info"].get("kv_evicted_tokens") for o in out]
+
+
+def test_e4m3_global_budget_equals_the_masked_reference_rounding_kv(e4m3_server, tokenizer,
+                                                                    tiny_model_fp32):
+    """trimkv with budget_scope global on the fp8 cache: the cells hold the kept tokens' bytes
+    as they are, read back as the pool's fp8 values (scale 1). Served, the request equals the
+    masked reference's global row on an e4m3-rounded cache (TOL_FP8, as above); the same row
+    without rounding and the rounded per-head row are further off (negative controls)."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from servers import trimkv_gates
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.global_budget import MaskedBudgetRun, Row
+
+    prompt = tokenizer("Global budgets on an 8-bit cache")["input_ids"]
+    budget, window, n = 24, 8, 120
+    tokens, logprobs, meta = serve_request(e4m3_server, prompt, n, kv_evict={
+        "policy": "trimkv", "budget": budget, "window": window, "budget_scope": "global"})
+    e4m3_server.wait_idle_checked()
+    assert e4m3_server.used_tokens() == 0 and meta["kv_evicted_tokens"] > 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
+
+    def row(kv_dtype, scope):
+        run = MaskedBudgetRun(model, trimkv_gates(model.config), budget=budget, window=window,
+                              seed=5, kv_dtype=kv_dtype)
+        ref, _ = run.run(prompt, tokens, [Row("trimkv", scope)])
+        return [float(ref[0, t, tok]) for t, tok in enumerate(tokens)]
+
+    assert max_logprob_diff(logprobs, row(E4M3, "global")) < TOL_FP8
+    assert max_logprob_diff(logprobs, row(None, "global")) > 10 * TOL_FP8
+    assert max_logprob_diff(logprobs, row(E4M3, "per-head")) > 10 * TOL_FP8
 
 
 def test_budget_never_reached_is_identical_to_stock_sglang_with_the_same_dtype(
