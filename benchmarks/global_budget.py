@@ -185,11 +185,13 @@ class MaskedBudgetRun:
     `gates` are needed for trimkv rows only."""
 
     def __init__(self, model, gates=None, *, budget: int, window: int, sinks: int = 4,
-                 seed: int = 0, protect_prompt: bool = True, kv_dtype: torch.dtype | None = None):
+                 seed: int = 0, protect_prompt: bool = True, kv_dtype: torch.dtype | None = None,
+                 page_size: int = 1):
         """protect_prompt=False: the prompt is private and evicted too (a server with
-        --disable-radix-cache); kv_dtype: the dtype K/V are cached in (an fp8 cache with
-        scale 1, as ReferenceDecoder's), None: the model's."""
-        self.protect_prompt, self.kv_dtype = protect_prompt, kv_dtype
+        --disable-radix-cache); page_size: the radix tree owns the prompt's whole pages only
+        (its partial last page is private, as served); kv_dtype: the dtype K/V are cached in
+        (an fp8 cache with scale 1, as ReferenceDecoder's), None: the model's."""
+        self.protect_prompt, self.kv_dtype, self.page_size = protect_prompt, kv_dtype, page_size
         self.model = model.eval()
         self.gates = None
         if gates is not None:
@@ -240,7 +242,7 @@ class MaskedBudgetRun:
         try:
             with retention:
                 for gi, group in enumerate(schedule(steps, self.budget, self.window,
-                                                          0 if self.protect_prompt else P)):
+                                                          P - self._protected(P))):
                     if gi >= 2:
                         state = _State(cache, alive, log_beta, _MASKS.queries, P,
                                        P + group[0] - 1, request_key, rounds)
@@ -272,7 +274,7 @@ class MaskedBudgetRun:
         keep = self.budget - self.window
         P, now = state.P, state.now
         # candidates: private, older than the window; a protected prompt holds the sinks
-        lo = P if self.protect_prompt else 0
+        lo = self._protected(P)
         hi = now - self.window
         sinks = max(0, self.sinks - lo)
         kept_counts = []
@@ -311,6 +313,10 @@ class MaskedBudgetRun:
                                      f"expected {L * H * self.budget}")
             kept_counts.append(kept.sum(-1))
         return kept_counts
+
+    def _protected(self, P: int) -> int:
+        """The prompt tokens the radix tree owns: its whole pages (none without it)."""
+        return P // self.page_size * self.page_size if self.protect_prompt else 0
 
     def _compact(self, cand: torch.Tensor):
         """Each (layer, head)'s candidates in position order, padded: positions [L, H, m]

@@ -179,8 +179,11 @@ def _evict_shared(rt, group: Group, new_lens) -> int:
             continue
         rows = torch.tensor([req.kv.req_pool_idx], device=device)
         starts = torch.tensor([req.kv.cache_protected_len], device=device)
+        # with pages, a budget off the page grid copies the newest window's K/V (and side
+        # values) behind the K older slots, as a per-head step does
+        side = None if rt.retention is None else (rt.retention.log_beta, rt.retention.position)
         try:
-            _apply(rt, rewrite, rows, starts, row_slots[None], None)
+            _apply(rt, rewrite, rows, starts, row_slots[None], side)
         except Exception as err:  # noqa: BLE001
             cols = starts[:, None] + torch.arange(row_slots.shape[0], device=device)
             restore_rows(rt, rows, cols, row_slots[None])

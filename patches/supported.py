@@ -185,12 +185,13 @@ def decode_attention_backend(server_args) -> str | None:
 
 def shared_scope_refusal(server_args, page_size: int) -> str | None:
     """Why a launch cannot serve --kv-evict-budget-scope layer/global (docs/global_budget.md),
-    None where it can: the cells are read by a CPU attention hook (torch_native or triton), packed with
-    pages of one token, in 16/32-bit K/V (fp8 on torch_native: the cells hold the bytes as
-    they are, scale 1). Tensor parallel ranks each rank their own KV heads
-    within their part of the budget, data-parallel workers their own requests, and without the
-    radix cache the prompt is a candidate too (tests/test_parallel.py,
-    tests/test_server_shared_scope.py)."""
+    None where it can: the cells are read by a CPU attention hook (torch_native or triton), in
+    16/32-bit K/V (fp8 on torch_native: the cells hold the bytes as they are, scale 1), with
+    pages of any size (cells are slots of the K older ones; leaving pages are freed whole).
+    Tensor parallel ranks each rank their own KV heads within their part of the budget,
+    data-parallel workers their own requests, and without the radix cache the prompt is a
+    candidate too (tests/test_parallel.py, tests/test_server_shared_scope.py). `page_size`
+    is no longer a reason; kept for the callers' signature."""
     device = getattr(server_args, "device", None)
     if device not in (None, "cpu"):
         return (f"--device {device}: shared budget scopes are served on CPU only (torch_native "
@@ -201,8 +202,6 @@ def shared_scope_refusal(server_args, page_size: int) -> str | None:
         return (f"the {backend} attention backend: shared budget scopes are served by the "
                 f"{' and '.join(SHARED_SCOPE_BACKENDS)} backends only (the attention over a "
                 f"request's cells is not wired into {backend})")
-    if page_size != 1:
-        return f"--page-size {page_size}: shared budget scopes are served with pages of 1 only"
     dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
     if dtype.startswith("fp8") and backend != "torch_native":
         # SGLang's triton decode rounds the softmax weights to fp8 before P·V: nothing to

@@ -165,9 +165,7 @@ def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, t
     trimkv = ["--kv-evict-policy", "trimkv", "--kv-evict-retention-gates", str(trimkv_gates_file),
               "--kv-evict-budget-scope", "global", "--kv-evict-window", "16"]
     assert startup_error(trimkv, {}) is None
-    message = startup_error(trimkv + ["--page-size", "16"], {})
-    assert message is not None and ("--kv-evict-budget-scope=global cannot be served here: "
-                                    "--page-size 16") in message, message
+    assert startup_error(trimkv + ["--page-size", "16"], {}) is None  # refused before
     # served without the radix cache and under data parallelism (test_server_shared_scope.py,
     # test_parallel.py); refused before
     assert startup_error(trimkv + ["--disable-radix-cache"], {}) is None
@@ -176,7 +174,8 @@ def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, t
     assert startup_error(trimkv + ["--kv-cache-dtype", "fp8_e4m3"], {}) is None
     message = startup_error(trimkv + ["--kv-cache-dtype", "fp8_e5m2", "--attention-backend",
                                       "triton"], {})
-    assert message is not None and ("--kv-cache-dtype fp8_e5m2: shared budget scopes keep fp8 "
+    assert message is not None and ("--kv-evict-budget-scope=global cannot be served here: "
+                                    "--kv-cache-dtype fp8_e5m2: shared budget scopes keep fp8 "
                                     "K/V on the torch_native backend only") in message, message
     message = startup_error(trimkv + ["--kv-evict-mode", "elastic"], {})
     assert message is not None and "--kv-evict-budget-scope: 'global' is served in fixed mode" \
@@ -189,6 +188,28 @@ def test_a_shared_budget_scope_is_refused_where_it_is_not_built(startup_error, t
         assert message is not None and (f"cannot be served here: the {backend} attention backend: "
                                         "shared budget scopes are served by the torch_native and "
                                         "triton backends only") in message, message
+
+
+def test_a_scope_the_launch_cannot_serve_is_refused_per_request(resolved, monkeypatch):
+    """A request for a shared scope on a launch that cannot serve it (fp8 K/V on the triton
+    backend) is refused naming kv_evict.budget_scope and the launch's reason: the reason
+    the scheduler's published arguments give (settings.published_shared_scope_refusal)."""
+    from patches import request_control, settings
+    from vase_sglang import EvictionConfig
+
+    args = resolved(["--attention-backend", "triton", "--kv-cache-dtype", "fp8_e4m3"])
+    reason = supported.shared_scope_refusal(args, 1)
+    assert reason is not None and "fp8_e4m3" in reason
+    monkeypatch.setattr(request_control, "published_shared_scope_refusal", lambda: reason)
+    server = EvictionConfig(policy="trimkv", budget=32, window=8)
+    with pytest.raises(ValueError, match="kv_evict.budget_scope: 'global' cannot be served "
+                                         "here: --kv-cache-dtype fp8_e4m3"):
+        request_control.effective_config({"kv_evict": {"budget_scope": "global"}}, server,
+                                         has_gates=True)
+    # per head it is served
+    assert request_control.effective_config({"kv_evict": {"budget": 24}}, server,
+                                            has_gates=True).budget == 24
+    assert settings.published_shared_scope_refusal() is None  # nothing published here
 
 
 SHARING_MODULE = """

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servers import SNAPKV, stream_and_abort, trimkv_gates
+from servers import PAGE, PAGED, SNAPKV, stream_and_abort, trimkv_gates
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.global_budget import MaskedBudgetRun, Row  # noqa: E402
@@ -183,14 +183,36 @@ def test_a_scope_the_request_cannot_have_is_refused_with_400(snapkv_server, bad,
     assert status == 400 and "kv_evict.budget_scope" in body and message in body, body
 
 
-def test_a_scope_this_server_cannot_serve_is_refused_with_400(paged_server):
-    """Pages of 16 tokens: cells are packed token by token, not built for pages."""
-    status, body = paged_server.post_status("/generate", {
-        "text": "hello", "sampling_params": {"max_new_tokens": 2, "custom_params": {
-            "kv_evict": {"policy": "trimkv", "budget_scope": "global"}}}})
-    body = str(body)
-    assert status == 400 and "kv_evict.budget_scope: 'global' cannot be served here: " \
-        "--page-size 16" in body, body
+@pytest.mark.parametrize("budget", [PAGED["budget"], PAGED["budget"] - 8])
+def test_with_pages_whole_pages_are_freed_and_the_cells_are_the_reference_row(
+        paged_server, tokenizer, tiny_model_fp32, budget):
+    """Pages of 16 (the shared paged server, window 16): the candidates start at the prompt's
+    last whole page (its partial page is private), the K older slots hold cells and the
+    leaving pages go back whole. At a budget on the page grid the row is rewritten; off it
+    (K = 24) the newest window's K/V and side values are copied behind the cells, as per head.
+    Served, the request equals the reference's global row with the same pages within TOL, not
+    its per-head row; every page comes back (strict checks, pool empty)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = tokenizer("Pages of sixteen tokens: the global budget frees whole pages")["input_ids"]
+    assert len(prompt) % PAGE  # a partial last page: private
+    window = PAGED["window"]
+    out = paged_server.generate(input_ids=prompt, max_new_tokens=N_TOKENS, return_logprob=True,
+                                sampling_params={"ignore_eos": True, "custom_params": {"kv_evict": {
+                                    "policy": "trimkv", "budget": budget, "window": window,
+                                    "sinks": SINKS, "budget_scope": "global"}}})
+    paged_server.wait_idle_checked()
+    assert paged_server.used_tokens() == 0
+    ids = out["output_ids"]
+    logprobs = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+    assert out["meta_info"]["kv_evicted_tokens"] > 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
+    run = MaskedBudgetRun(model, trimkv_gates(model.config), budget=budget, window=window,
+                          sinks=SINKS, seed=PAGED["seed"], page_size=PAGE)
+    ref, _ = run.run(prompt, ids, [Row("trimkv", "global"), Row("trimkv", "per-head")])
+    glob, head = ([float(ref[b, t, tok]) for t, tok in enumerate(ids)] for b in range(2))
+    assert _max_diff(logprobs, glob) < TOL
+    assert _max_diff(logprobs, head) > 100 * TOL
 
 
 def test_abort_of_a_request_holding_cells_frees_its_slots_and_its_cells(snapkv_server, served):

@@ -38,8 +38,9 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def variant_server(tiny_model_fp32):
+def variant_server(tiny_model_fp32, trimkv_gates_file):
     flags = ["--dtype", "float32", "--attention-backend", "triton",
+             "--kv-evict-retention-gates", str(trimkv_gates_file),
              "--triton-attention-num-kv-splits", "2", "--tp-size", "2",
              "--page-size", str(PAGE), "--disable-radix-cache", "--disable-overlap-schedule",
              "--decode-log-interval", "1",
@@ -71,6 +72,36 @@ def test_faithful_to_transformers_reference(served, hf_model, policy):
     # the comparison can fail: the reference at another budget diverges
     other = reference(hf_model, policy, prompt, tokens, **{**kw, "budget": BUDGET + PAGE})
     assert max_logprob_diff(logprobs, other["logprobs"]) > 1e-2
+
+
+def test_global_budget_with_every_variant_equals_the_masked_reference(variant_server, tokenizer,
+                                                                      tiny_model_fp32):
+    """trimkv under the global budget here: each rank's KV head shares its part (Row ranks=2),
+    the prompt is private (radix off), pages of 16 go back whole, and SGLang's kernel reads the
+    plain tokens while the cell kernel's part is merged in. Equal to the masked reference's row
+    with the same ranks, pages and unprotected prompt within TOL; not to its per-head row."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from servers import trimkv_gates
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.global_budget import MaskedBudgetRun, Row
+
+    prompt = tokenizer("Triton, ranks, pages and cells")["input_ids"]
+    tokens, logprobs, meta = serve_request(variant_server, prompt, N, kv_evict={
+        "policy": "trimkv", "budget_scope": "global"})
+    variant_server.wait_idle_checked()
+    assert variant_server.used_tokens() == 0 and meta["kv_evicted_tokens"] > 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
+    run = MaskedBudgetRun(model, trimkv_gates(model.config), budget=BUDGET, window=WINDOW,
+                          seed=5, protect_prompt=False, page_size=PAGE)
+    ref, _ = run.run(prompt, tokens, [Row("trimkv", "global", 0, 2), Row("trimkv", "per-head")])
+    glob, head = ([float(ref[b, t, tok]) for t, tok in enumerate(tokens)] for b in range(2))
+    assert max_logprob_diff(logprobs, glob, tol=TOL) < TOL
+    assert max_logprob_diff(logprobs, head) > 1e-2
 
 
 def test_retracted_requests_finish_and_free_everything(served, variant_server, tokenizer):
