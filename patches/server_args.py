@@ -57,7 +57,7 @@ def check_server_args(server_args, cfg) -> None:
                   f"its attention backend)")
         problems.append(f"{settings.flag_name('window')}={cfg.window} does not fit "
                         f"--page-size={page_size}{chosen}: {str(err).split(': ', 1)[1]}.")
-    if cfg.shared_budget and (problem := supported.shared_scope_refusal(server_args, page_size)):
+    if cfg.shared_budget and (problem := supported.shared_scope_refusal(server_args)):
         problems.append(f"{settings.flag_name('budget-scope')}={cfg.budget_scope} cannot be "
                         f"served here: {problem}")
     if settings.current().ring == "beside" and not server_args.max_total_tokens:

@@ -339,7 +339,7 @@ def published_shared_scope_refusal() -> str | None:
         server_args = get_server_args()
     except ValueError:
         return None
-    return shared_scope_refusal(server_args, published_page_size())
+    return shared_scope_refusal(server_args)
 
 
 def load_server_gates(path, hf_config, source=flag_name):

@@ -183,15 +183,14 @@ def decode_attention_backend(server_args) -> str | None:
             or resolution_result(server_args, "attention_backend"))
 
 
-def shared_scope_refusal(server_args, page_size: int) -> str | None:
+def shared_scope_refusal(server_args) -> str | None:
     """Why a launch cannot serve --kv-evict-budget-scope layer/global (docs/global_budget.md),
     None where it can: the cells are read by a CPU attention hook (torch_native or triton), in
     16/32-bit K/V (fp8 on torch_native: the cells hold the bytes as they are, scale 1), with
     pages of any size (cells are slots of the K older ones; leaving pages are freed whole).
     Tensor parallel ranks each rank their own KV heads within their part of the budget,
     data-parallel workers their own requests, and without the radix cache the prompt is a
-    candidate too (tests/test_parallel.py, tests/test_server_shared_scope.py). `page_size`
-    is no longer a reason; kept for the callers' signature."""
+    candidate too (tests/test_parallel.py, tests/test_server_shared_scope.py)."""
     device = getattr(server_args, "device", None)
     if device not in (None, "cpu"):
         return (f"--device {device}: shared budget scopes are served on CPU only (torch_native "

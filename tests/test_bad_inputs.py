@@ -198,7 +198,7 @@ def test_a_scope_the_launch_cannot_serve_is_refused_per_request(resolved, monkey
     from vase_sglang import EvictionConfig
 
     args = resolved(["--attention-backend", "triton", "--kv-cache-dtype", "fp8_e4m3"])
-    reason = supported.shared_scope_refusal(args, 1)
+    reason = supported.shared_scope_refusal(args)
     assert reason is not None and "fp8_e4m3" in reason
     monkeypatch.setattr(request_control, "published_shared_scope_refusal", lambda: reason)
     server = EvictionConfig(policy="trimkv", budget=32, window=8)
