@@ -98,12 +98,15 @@ def evict_one(rt, cfg, n: int, sinks: int, req) -> tuple[torch.Tensor, torch.Ten
     older, leaving = row_slots[:K], row_slots[K:n]
     st = state(req)
     try:
-        keep, position, cells = _select(rt, cfg, n, sinks, req, row_slots)
+        keep, candidates = _select(rt, cfg, n, sinks, req, row_slots)
     except Exception as err:
         raise StepFailure(SELECT, err) from err
     try:
-        packed, moves = pack(cells, position[0, K:, 0], keep[:, :K], keep[:, K:],
-                             check=device.type == "cpu")
+        # the first K slots hold the cells after the cut; the rest leave (plain slots, and
+        # cells too where an elastic cut goes below the cells the request holds)
+        cells = CellMap(candidates.owner[:, :K], candidates.position[:, :K], cfg.budget_scope)
+        going = CellMap(candidates.owner[:, K:], candidates.position[:, K:], cfg.budget_scope)
+        packed, moves = pack(cells, going, keep[:, :K], keep[:, K:], check=device.type == "cpu")
     except Exception as err:
         raise StepFailure(PACK, err) from err
     try:
@@ -115,22 +118,26 @@ def evict_one(rt, cfg, n: int, sinks: int, req) -> tuple[torch.Tensor, torch.Ten
     return row_slots, CellView(prefix, K, older, order, offsets.tolist(), offsets)
 
 
-def _select(rt, cfg, n: int, sinks: int, req, row_slots):
-    """Score every candidate of the scope (its K cells, then the leaving slots) with the
-    policy and keep the scope's total (cells.select_shared). The shared-scope contract
-    (Policy.shares_budget_refusal, docs/add_policy.md): the policy scores from retention, as
-    score_streamed(candidates, None, None) with `candidates` of shape [L, n, H] and its
-    `retention` the log β and age of every candidate [L, n, H]; no K/V, queries or draws."""
+def _select(rt, cfg, n: int, sinks: int, req, row_slots) -> tuple[torch.Tensor, CellMap]:
+    """Score every candidate of the scope (the n oldest private slots: the cells the request
+    holds, then plain slots) with the policy and keep the scope's total, L · H · K with K =
+    cfg.keep (cells.select_shared); returns the kept mask and the candidates' map [L, n, H].
+    K may differ from the cells held (an elastic cut: a level of its own). The shared-scope
+    contract (Policy.shares_budget_refusal, docs/add_policy.md): the policy scores from
+    retention, as score_streamed(candidates, None, None) with `candidates` of shape
+    [L, n, H] and its `retention` the log β and age of every candidate [L, n, H]; no K/V,
+    queries or draws."""
     K, L, H = cfg.keep, rt.num_layers, rt.shapes.kv_heads
     prefix = req.kv.cache_protected_len
     r = rt.retention
-    # every candidate's log β and true position: [L, n, H], the K cells then the leaving slots
+    # every candidate's log β and true position [L, n, H] (a cell's own, moved with it)
     log_beta = torch.stack([lb[row_slots[:n], :, 0] for lb in r.log_beta])
     position = torch.stack([p[row_slots[:n], :, 0] for p in r.position]).long()
-    st = state(req)
-    plain = CellMap.plain(position[0, :K, 0], L, H, cfg.budget_scope)
-    cells = st.cells if st.cells is not None else plain
-    owner = torch.cat([cells.owner, plain.owner[:, :1].expand(L, n - K, H)], dim=1)
+    # slots past the cells held are plain: each (layer, head) cell holds its own token
+    owner = CellMap.plain(position[0, :, 0], L, H, cfg.budget_scope).owner
+    held = state(req).cells
+    if held is not None:
+        owner[:, :held.slots] = held.owner
     now = req.kv.kv_allocated_len + pos_offset(req)  # the true length: the next position
     policy = POLICIES[cfg.policy](cfg, attention=rt.attention,
                                   retention=Retention(log_beta, (now - position).float()))
@@ -140,7 +147,7 @@ def _select(rt, cfg, n: int, sinks: int, req, row_slots):
                          f"not [layers, candidates, KV heads] {tuple(log_beta.shape)}")
     score = score.masked_fill(position < prefix + sinks, float("inf"))  # sinks: always kept
     keep = select_shared(score, owner, position, K, cfg.budget_scope, cfg.floor)
-    return keep, position, CellMap(cells.owner, position[:, :K], cfg.budget_scope)
+    return keep, CellMap(owner, position, cfg.budget_scope)
 
 
 def move_kept(rt, moves, older, leaving, K: int, H: int) -> None:

@@ -227,3 +227,84 @@ def test_segments_skip_empty_cells():
     order, offsets = cells.segments()
     assert offsets.tolist() == [2, 3, 4]
     assert order[2:3].tolist() == [1] and order[3:4].tolist() == [2]
+
+
+def select_keep(scores: torch.Tensor, alive: torch.Tensor, scope: str, keep: int) -> torch.Tensor:
+    """select() with `keep` older tokens per (layer, head) on average."""
+    s = scores.masked_fill(~alive, float("-inf"))
+    if scope == "layer":
+        flat = s.reshape(L, -1)
+        idx = flat.topk(H * keep, dim=-1).indices
+        return (torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True)
+                .view(L, H, -1) & alive)
+    idx = s.flatten().topk(L * H * keep).indices
+    return torch.zeros(s.numel(), dtype=torch.bool).index_fill_(0, idx, True).view_as(alive) & alive
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_elastic_cuts_to_any_level_keep_the_cells_equal_to_the_mask(scope):
+    """Elastic cuts (issue 59): each eviction has its own level, K' older slots, above or
+    below the cells the request holds; the cache grows between cuts. The candidates are the
+    cells held and the plain slots after them; the first K' slots hold the cells after the
+    cut, and cells beyond them leave with the plain slots (pack's CellMap `leaving`). After
+    every cut the cells hold exactly the masked truth's tokens (K and V at their owner's
+    position) and attention over them equals the masked attention."""
+    gen = torch.Generator().manual_seed(3)
+    levels = [6, 3, 9, 9, 2, 12, 5, 1, 7]  # K' per cut: up, down, equal, down past the plain
+    growth = [5, 2, 7, 4, 3, 9, 1, 6, 2]  # plain tokens generated before each cut (>= R - 1)
+    total = P + 40 + sum(growth) + R
+    keys = torch.randn(L, H, total, D, generator=gen)
+    values = torch.randn(L, H, total, D, generator=gen)
+    scores = torch.rand(L, H, total, generator=gen)
+    now = P + 8 + R  # 8 private tokens, then the newest R, before the first cut
+    alive = torch.zeros(L, H, total, dtype=torch.bool)
+    alive[..., :now] = True
+    held = 0  # slots that hold cells (0: none yet, the plain layout)
+    slot_pos = torch.arange(P, now)  # each private slot's plain position (cells: the map's)
+    cells = None
+    store_k = keys[:, :, P:now].permute(0, 2, 1, 3).clone()  # [L, slots, H, D]
+    store_v = values[:, :, P:now].permute(0, 2, 1, 3).clone()
+    moved_down = moved_up = False
+    for level, grown in zip(levels, growth):
+        n = store_k.shape[1] - R
+        k_new = min(level, n)
+        plain = CellMap.plain(slot_pos, L, H, scope)
+        owner, position = plain.owner.clone(), plain.position.clone()
+        if cells is not None:
+            owner[:, :held], position[:, :held] = cells.owner, cells.position
+        cand = alive.clone()
+        cand[..., :P] = False
+        cand[..., now - R:] = False
+        kept = select_keep(scores, cand, scope, k_new)
+        alive[..., P:now - R] = kept[..., P:now - R]
+        keep_all = alive[owner // H, owner % H, position]  # [L, slots, H]
+        new, moves = pack(CellMap(owner[:, :k_new], position[:, :k_new], scope),
+                          CellMap(owner[:, k_new:n], position[:, k_new:n], scope),
+                          keep_all[:, :k_new], keep_all[:, k_new:n])
+        moved_down |= k_new < held
+        moved_up |= k_new > held > 0
+        cell_k = apply_moves(store_k[:, :k_new], store_k[:, k_new:n], moves)
+        cell_v = apply_moves(store_v[:, :k_new], store_v[:, k_new:n], moves)
+        cells, held = new, k_new
+        # the cut frees slots k_new .. n; the newest R stay; then the cache grows
+        fresh = torch.arange(now, now + grown)
+        slot_pos = torch.cat([slot_pos[:k_new], slot_pos[n:], fresh])
+        store_k = torch.cat([cell_k, store_k[:, n:], keys[:, :, fresh].permute(0, 2, 1, 3)], 1)
+        store_v = torch.cat([cell_v, store_v[:, n:], values[:, :, fresh].permute(0, 2, 1, 3)], 1)
+        now += grown
+        alive[..., now - grown:now] = True
+        assert int(cells.counts().sum()) == L * H * k_new
+        owner_l, owner_h = cells.owner // H, cells.owner % H
+        torch.testing.assert_close(cell_k, keys[owner_l, owner_h, cells.position], rtol=0, atol=0)
+        torch.testing.assert_close(cell_v, values[owner_l, owner_h, cells.position], rtol=0, atol=0)
+        plain_pos = torch.cat([torch.arange(P), slot_pos[k_new:]])
+        query = torch.randn(H * G, D, generator=torch.Generator().manual_seed(now))
+        for layer in range(L):
+            got = attend(query, keys[layer][:, plain_pos], values[layer][:, plain_pos], cell_k,
+                         cell_v, cells, layer, scaling=D ** -0.5)
+            for h in range(H):
+                k = keys[layer, h, :now][alive[layer, h, :now]]
+                v = values[layer, h, :now][alive[layer, h, :now]]
+                want = torch.softmax(query[h * G:(h + 1) * G] @ k.T * D ** -0.5, -1) @ v
+                torch.testing.assert_close(got[h * G:(h + 1) * G], want, rtol=1e-5, atol=1e-5)
+    assert moved_down and moved_up  # both directions were exercised

@@ -84,6 +84,39 @@ def test_decode_pressure_cuts_caches_above_their_floors(snapkv_server):
     assert min(o["meta_info"]["kv_min_budget"] or 10**9 for o in out) >= SNAPKV["budget"]
 
 
+GLOBAL_ELASTIC = {"kv_evict": {"mode": "elastic", "policy": "trimkv", "budget_scope": "global"}}
+
+
+def test_elastic_global_budget_at_idle_is_the_full_cache(snapkv_server):
+    """trimkv under one budget for all layers and heads, elastic: with memory free nothing is
+    cut, so the output is the full cache's, token for token (fixed mode would evict)."""
+    texts = [f"Elastic global request {i}: count the apples" for i in range(2)]
+    n = 4 * (SNAPKV["budget"] + SNAPKV["window"])
+    elastic = _generate(snapkv_server, texts, n, GLOBAL_ELASTIC)
+    full = _generate(snapkv_server, texts, n, {"kv_evict": False})
+    fixed = _generate(snapkv_server, texts, n, {"kv_evict": {**GLOBAL_ELASTIC["kv_evict"],
+                                                             "mode": "fixed"}})
+    assert [o["output_ids"] for o in elastic] == [o["output_ids"] for o in full]
+    assert all(o["meta_info"]["kv_evicted_tokens"] == 0 for o in elastic)
+    assert all(o["meta_info"]["kv_evicted_tokens"] > 0 for o in fixed)
+    snapkv_server.wait_idle_checked()
+
+
+def test_decode_pressure_cuts_global_budgets_to_levels_of_their_own(snapkv_server):
+    """Elastic requests under the global budget on the 4096-token pool: each is cut at the
+    water line of its pressure round, a level of its own (above or below the cells it holds:
+    cells past the new level leave with the plain slots, vase_sglang/cells.pack), never
+    below the floor, nobody retracted; SGLang's strict checks stay silent and the pool is
+    empty afterwards."""
+    before = _scrape(snapkv_server)
+    out, _ = _pressure(snapkv_server, 20, 256, SNAPKV["budget"], custom=GLOBAL_ELASTIC)
+    after = _scrape(snapkv_server)
+    assert after.get("vase:evictions_by_cause_total[decode_pressure]", 0) > before.get(
+        "vase:evictions_by_cause_total[decode_pressure]", 0)
+    assert sum(1 for o in out if o["meta_info"]["kv_evicted_tokens"]) > 1
+    assert snapkv_server.used_tokens() == 0
+
+
 def test_decode_pressure_with_pages(paged_server):
     """Pages of 16: cuts free whole pages (the strict checks would catch a partial one)."""
     _pressure(paged_server, 16, 300, PAGED["budget"])
@@ -162,3 +195,42 @@ def test_aborts_in_the_middle_of_pressure(radix_off_server):
     radix_off_server.wait_idle_checked()
     used = radix_off_server.used_tokens()
     assert used == 0
+
+
+
+def test_global_budgets_are_cut_below_and_above_the_cells_they_hold(radix_off_server):
+    """Elastic requests under the global budget on the 1024-token pool, of unequal lengths and
+    arriving in two waves: two long ones grow until the pool is short and are cut at a high
+    water line; the second wave then cuts them lower (admission and decode pressure: cells past
+    the new level leave with the plain slots), and as the short ones finish the line rises
+    again (cuts above the cells held). Everyone finishes, nobody is retracted, levels stay
+    at or above the floor, every slot comes back (strict checks)."""
+    done = {}
+
+    def long_requests():
+        done["long"] = _generate(radix_off_server, ["The first long global story",
+                                                    "The second long global story"], 700,
+                                 GLOBAL_ELASTIC)
+
+    before = len(radix_off_server.output())
+    thread = threading.Thread(target=long_requests)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while "early eviction freed" not in radix_off_server.output()[before:]:
+        assert thread.is_alive() and time.monotonic() < deadline, "the pool never filled"
+        time.sleep(0.2)
+    params = [{"max_new_tokens": m, "temperature": 0, "ignore_eos": True,
+               "custom_params": GLOBAL_ELASTIC} for m in (150, 250, 350)]
+    short = radix_off_server.post("/generate", {
+        "text": [f"Short global request {i}: count the apples" for i in range(3)],
+        "sampling_params": params})
+    thread.join(timeout=600)
+    assert not thread.is_alive()
+    radix_off_server.wait_idle_checked()
+    log = radix_off_server.output()[before:]
+    assert "Retract requests" not in log
+    out = done["long"] + short
+    assert [len(o["output_ids"]) for o in out] == [700, 700, 150, 250, 350]
+    assert all(o["meta_info"]["kv_evicted_tokens"] > 0 for o in done["long"])
+    assert all((o["meta_info"]["kv_min_budget"] or 10**9) >= RADIX_OFF["budget"] for o in out)
+    assert radix_off_server.used_tokens() == 0

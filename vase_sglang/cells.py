@@ -120,13 +120,15 @@ class Moves:
     valid: torch.Tensor  # [L, R, H] bool
 
 
-def pack(cells: CellMap, leaving: torch.Tensor, keep_cells: torch.Tensor,
+def pack(cells: CellMap, leaving: "torch.Tensor | CellMap", keep_cells: torch.Tensor,
          keep_leaving: torch.Tensor, check: bool = True) -> tuple[CellMap, Moves]:
     """One eviction's packing.
 
     Args:
-        cells: the map before the eviction.
-        leaving: [R] int64, the true positions of the R leaving plain slots.
+        cells: the map of the K slots that hold cells after the eviction, before it.
+        leaving: [R] int64, the true positions of the R leaving plain slots; or the map
+            [L, R, H] of leaving slots that hold cells too (an elastic cut below the cells a
+            request holds: its older slots beyond the new K leave).
         keep_cells: [L, K, H] bool, whether each cell's token stays.
         keep_leaving: [L, R, H] bool, whether the token of (layer, leaving slot, head) stays.
         check: verify that the counts match (a host read; False inside a CUDA graph).
@@ -142,7 +144,13 @@ def pack(cells: CellMap, leaving: torch.Tensor, keep_cells: torch.Tensor,
             total for "global"): the selection did not keep the scope's budget (check=True).
     """
     L, K, H = cells.owner.shape
-    R = leaving.shape[0]
+    if isinstance(leaving, CellMap):
+        R, src_owner, src_position = leaving.slots, leaving.owner, leaving.position
+    else:
+        R = leaving.shape[0]
+        src_owner = (torch.arange(L, device=leaving.device)[:, None, None] * H
+                     + torch.arange(H, device=leaving.device)[None, None, :]).expand(L, R, H)
+        src_position = leaving.view(1, R, 1).expand(L, R, H)
     if keep_cells.shape != (L, K, H) or keep_leaving.shape != (L, R, H):
         raise ValueError(f"keep_cells {tuple(keep_cells.shape)} / keep_leaving "
                          f"{tuple(keep_leaving.shape)}: expected {(L, K, H)} / {(L, R, H)}")
@@ -169,9 +177,6 @@ def pack(cells: CellMap, leaving: torch.Tensor, keep_cells: torch.Tensor,
                           torch.arange(L * K * H, device=holes.device))
     valid = keep_leaving
     dst = torch.where(valid.flatten(), cell_of_rank[mover_key.clamp_min(0)], 0).view(L, R, H)
-    src_owner = (torch.arange(L, device=holes.device)[:, None, None] * H
-                 + torch.arange(H, device=holes.device)[None, None, :]).expand(L, R, H)
-    src_position = leaving.view(1, R, 1).expand(L, R, H)
     owner = cells.owner.flatten().masked_fill(flat_holes, NO_OWNER)
     position = cells.position.flatten().masked_fill(flat_holes, -1)
     # invalid entries write to a scratch element past the end

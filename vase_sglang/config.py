@@ -150,9 +150,6 @@ class EvictionConfig:
             if refusal:
                 raise ValueError(f"budget_scope: policy {self.policy!r} sets shares_budget, "
                                  f"but {refusal}")
-            if self.elastic:
-                raise ValueError(f"budget_scope: {self.budget_scope!r} is served in fixed mode "
-                                 "only (elastic cuts are not built for shared budgets)")
             if self.value_slots:
                 raise ValueError(f"budget_scope: {self.budget_scope!r} is served without value "
                                  f"slots (got value_slots={self.value_slots})")
