@@ -67,8 +67,9 @@ FLAGS = {
                      "share their total) or global (all layers and heads share one total; the "
                      "same slots, heads keep unequal counts; docs/global_budget.md). Shared "
                      "scopes need a policy whose scores compare across heads (trimkv) and are "
-                     "served on CPU with --page-size 1 (with tp, each rank's heads share its "
-                     "part). Also per request: "
+                     "served on CPU by the torch_native and triton backends, with pages, "
+                     "elastic mode, fp8 K/V (torch_native), tp and dp (with tp, each rank's "
+                     "heads share its part). Also per request: "
                      "custom_params.kv_evict.budget_scope."),
     "head-floor": ("head_floor", int, "Shared budget scopes: older tokens every layer and KV "
                    "head keeps whatever the others score (sinks count in it; at most budget - "

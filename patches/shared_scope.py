@@ -22,8 +22,9 @@ scope. Two pieces live here:
 Memory: the cell map (owner and position, int64 [L, K, H] each) is host-side request state,
 beside the row; a step holds one request's candidates' scores [L, n, H] and its leaving
 tokens' K/V [L, n - K, H, D] at a time, outside the step workspace (at Qwen2.5-0.5B's shapes,
-T = 64 and R = 16: 0.2 MiB). Served on CPU (torch_native, and triton under Triton's
-interpreter), pages of 1, 16/32-bit K/V (supported.shared_scope_refusal); the hooks read
+T = 64 and R = 16: 0.2 MiB; an elastic cut's n is the grown cache: about 0.2 MiB per 16
+candidates in fp32). Served on CPU (torch_native, and triton under Triton's interpreter), with
+pages, elastic mode, fp8 K/V on torch_native (supported.shared_scope_refusal); the hooks read
 device values on the host, which is why CUDA (graphs) stays refused.
 """
 
