@@ -310,8 +310,16 @@ CROWD = st.fixed_dictionaries({
     "sampling": st.fixed_dictionaries({"max_new_tokens": st.sampled_from([40, 60]),
                                        "ignore_eos": st.just(True)}),
 })
-REQUEST = st.sampled_from([False] * 23 + [True]).flatmap(  # a crowd in 24 draws
-    lambda crowd: CROWD if crowd else ONE_CLIENT)
+# A shared-scope request that is read to the end: ONE_CLIENT draws one in about 44 (a valid
+# shared setting, /generate, a reading client), too few to be sure a storm serves any.
+SHARED_CLIENT = st.fixed_dictionaries({
+    "route": st.just("/generate"), "client": st.just("read"),
+    "prompt": st.sampled_from(PROMPTS), "kv_evict": VALID_SHARED,
+    "sampling": st.fixed_dictionaries({"max_new_tokens": st.sampled_from([48, 60]),
+                                       "ignore_eos": st.just(True)}),
+})
+REQUEST = st.sampled_from(["one"] * 21 + ["shared"] * 2 + ["crowd"]).flatmap(  # in 24 draws
+    lambda kind: {"one": ONE_CLIENT, "shared": SHARED_CLIENT, "crowd": CROWD}[kind])
 
 STATS: Counter = Counter()
 
