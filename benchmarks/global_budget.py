@@ -56,6 +56,7 @@ from vase_sglang import ops  # noqa: E402
 from vase_sglang.config import EvictionConfig  # noqa: E402
 from vase_sglang.policies import (  # noqa: E402
     POLICIES, Draws, Retention, VaseAttnVPolicy, needs_gates, select_tokens, top_indices)
+from vase_sglang.rows import owned_prompt  # noqa: E402
 from vase_sglang.serving.hf_reference import attention_params, round_cache_writes  # noqa: E402
 
 MASKED_ATTENTION = "vase_masked_heads"
@@ -316,7 +317,7 @@ class MaskedBudgetRun:
 
     def _protected(self, P: int) -> int:
         """The prompt tokens the radix tree owns: its whole pages (none without it)."""
-        return P // self.page_size * self.page_size if self.protect_prompt else 0
+        return owned_prompt(P, self.page_size, self.protect_prompt)
 
     def _compact(self, cand: torch.Tensor):
         """Each (layer, head)'s candidates in position order, padded: positions [L, H, m]

@@ -12,6 +12,7 @@ admission) rather than being admitted without one (docs/memory.md)."""
 from __future__ import annotations
 
 from vase_sglang.policies import POLICIES
+from vase_sglang.rows import owned_prompt
 
 from .state import request_config, state
 
@@ -28,7 +29,7 @@ def need(rt, req, radix: bool) -> int:
         return 0
     max_new = req.sampling_params.max_new_tokens
     prompt = len(req.origin_input_ids)
-    owned = prompt // rt.page_size * rt.page_size if radix else 0
+    owned = owned_prompt(prompt, rt.page_size, radix)
     if max_new is not None and prompt - owned + max_new <= cfg.budget:
         return 0
     return rt.ring_slots

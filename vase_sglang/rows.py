@@ -24,6 +24,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
+def owned_prompt(prompt_len: int, page_size: int, radix: bool = True) -> int:
+    """The prompt tokens the radix tree owns once the prompt is prefilled: its whole pages (the
+    partial last page is private), none without the radix cache. The served step and the
+    references evict only after them."""
+    return prompt_len // page_size * page_size if radix else 0
+
+
 def round_up_to_pages(tokens: int, page_size: int) -> int:
     """`tokens` rounded up to whole pages: what a row of that many tokens holds."""
     return -(-tokens // page_size) * page_size

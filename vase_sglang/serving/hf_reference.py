@@ -33,6 +33,7 @@ import torch
 
 from ..config import EvictionConfig
 from ..policies import POLICIES, AttentionParams, Retention, select_tokens
+from ..rows import owned_prompt
 
 
 def attention_params(model) -> AttentionParams:
@@ -174,7 +175,7 @@ class ReferenceDecoder:
             round_cache_writes(cache, self.kv_dtype)
         window_q: list[list[torch.Tensor]] = []  # per layer: recent [H_q, D] queries
         tokens, logprobs = [], []
-        prefix = len(prompt_ids) // self.page_size * self.page_size if self.protect_prompt else 0
+        prefix = owned_prompt(len(prompt_ids), self.page_size, self.protect_prompt)
         offset = rounds = 0
         with self._record_queries(), self._record_retention():
             ids = torch.tensor([list(prompt_ids)])
