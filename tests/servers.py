@@ -49,6 +49,30 @@ def trimkv_gates(config, seed=7):
                                           seed=seed)
 
 
+def masked_logprobs(model_path, prompt_ids, forced, rows, gates=None, **run_kwargs):
+    """The transformers reference's masked trimkv rows (benchmarks/global_budget.MaskedBudgetRun:
+    heads may keep unequal counts) teacher-forced on `forced`: per row, the logprob of each
+    forced token. rows: a scope ("global", "layer", "per-head") or a dict of Row fields
+    (scope, floor, ranks) each. A fresh fp32 copy of the model (the run installs its own
+    attention); gates: trimkv_gates (the shared servers') unless given; run_kwargs:
+    MaskedBudgetRun's (budget, window, ...)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.global_budget import MaskedBudgetRun, Row
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    run = MaskedBudgetRun(model, trimkv_gates(model.config) if gates is None else gates,
+                          **run_kwargs)
+    rows = [Row("trimkv", r) if isinstance(r, str) else Row("trimkv", **r) for r in rows]
+    logprobs, _counts = run.run(prompt_ids, forced, rows)
+    return [[float(logprobs[b, t, tok]) for t, tok in enumerate(forced)] for b in range(len(rows))]
+
+
 def serve_request(server, prompt_ids, n, seed=77, kv_evict=None):
     """One request of n tokens past EOS, seeded: (output ids, their logprobs, meta_info)."""
     sampling = {"ignore_eos": True, "sampling_seed": seed}

@@ -129,26 +129,34 @@ def test_decode_pressure_without_radix_cache(radix_off_server):
     _pressure(radix_off_server, 16, 240, RADIX_OFF["budget"])
 
 
+def _long_wave_until_the_pool_is_short(server, texts, max_new, custom):
+    """Send `texts` (elastic, long) from a thread and wait until they have grown into decode
+    pressure ("early eviction freed" in the log). Returns the thread, a dict that gets the
+    outputs ("out") and the time they came back ("at"), and the log offset before them."""
+    done = {}
+
+    def send():
+        done["out"] = _generate(server, texts, max_new, custom)
+        done["at"] = time.monotonic()
+
+    before = len(server.output())
+    thread = threading.Thread(target=send)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while "early eviction freed" not in server.output()[before:]:
+        assert thread.is_alive() and time.monotonic() < deadline, "the pool never filled"
+        time.sleep(0.2)
+    return thread, done, before
+
+
 def test_a_waiting_request_is_made_room_for(radix_off_server):
     """Two long elastic requests (900 tokens; the model's context is 1024) fill the 1024-token
     pool (each grows far past its floor). A short request sent then is admitted within a few
     steps, by cutting them, instead of waiting for one of them to finish (without admission
     pressure, decode pressure alone keeps only R tokens per running request free: the request
     would wait)."""
-    done = {}
-
-    def long_requests():
-        done["long"] = _generate(radix_off_server, ["The first long story", "The second long story"],
-                                 900, ELASTIC)
-        done["long_at"] = time.monotonic()
-
-    before = len(radix_off_server.output())
-    thread = threading.Thread(target=long_requests)
-    thread.start()
-    deadline = time.monotonic() + 300
-    while "early eviction freed" not in radix_off_server.output()[before:]:
-        assert thread.is_alive() and time.monotonic() < deadline, "the pool never filled"
-        time.sleep(0.2)
+    thread, done, before = _long_wave_until_the_pool_is_short(
+        radix_off_server, ["The first long story", "The second long story"], 900, ELASTIC)
     # Its reservation (a ~250-token prompt + 64 tokens) is more than a decode-pressure cut
     # leaves free (R = 16 tokens for each of the two running requests, up to one grid step
     # more), so it cannot just slip in.
@@ -156,14 +164,14 @@ def test_a_waiting_request_is_made_room_for(radix_off_server):
     short_at = time.monotonic()
     thread.join(timeout=600)
     assert not thread.is_alive()
-    assert short_at < done["long_at"]  # admitted while both long requests were running
+    assert short_at < done["at"]  # admitted while both long requests were running
     log = radix_off_server.output()[before:]
     lines = [l for l in log.splitlines() if "Decode" not in l or "queue-req: 1" in l]
     assert "a waiting request does not fit the KV cache pool: elastic eviction freed" in log, \
         "\n".join(lines[-60:])
     assert "Retract requests" not in log
     assert len(short[0]["output_ids"]) == 64
-    assert [len(o["output_ids"]) for o in done["long"]] == [900, 900]
+    assert [len(o["output_ids"]) for o in done["out"]] == [900, 900]
     radix_off_server.wait_idle_checked()
 
 
@@ -205,20 +213,9 @@ def test_global_budgets_are_cut_below_and_above_the_cells_they_hold(radix_off_se
     the new level leave with the plain slots), and as the short ones finish the line rises
     again (cuts above the cells held). Everyone finishes, nobody is retracted, levels stay
     at or above the floor, every slot comes back (strict checks)."""
-    done = {}
-
-    def long_requests():
-        done["long"] = _generate(radix_off_server, ["The first long global story",
-                                                    "The second long global story"], 700,
-                                 GLOBAL_ELASTIC)
-
-    before = len(radix_off_server.output())
-    thread = threading.Thread(target=long_requests)
-    thread.start()
-    deadline = time.monotonic() + 300
-    while "early eviction freed" not in radix_off_server.output()[before:]:
-        assert thread.is_alive() and time.monotonic() < deadline, "the pool never filled"
-        time.sleep(0.2)
+    thread, done, before = _long_wave_until_the_pool_is_short(
+        radix_off_server, ["The first long global story", "The second long global story"], 700,
+        GLOBAL_ELASTIC)
     params = [{"max_new_tokens": m, "temperature": 0, "ignore_eos": True,
                "custom_params": GLOBAL_ELASTIC} for m in (150, 250, 350)]
     short = radix_off_server.post("/generate", {
@@ -229,8 +226,8 @@ def test_global_budgets_are_cut_below_and_above_the_cells_they_hold(radix_off_se
     radix_off_server.wait_idle_checked()
     log = radix_off_server.output()[before:]
     assert "Retract requests" not in log
-    out = done["long"] + short
+    out = done["out"] + short
     assert [len(o["output_ids"]) for o in out] == [700, 700, 150, 250, 350]
-    assert all(o["meta_info"]["kv_evicted_tokens"] > 0 for o in done["long"])
+    assert all(o["meta_info"]["kv_evicted_tokens"] > 0 for o in done["out"])
     assert all((o["meta_info"]["kv_min_budget"] or 10**9) >= RADIX_OFF["budget"] for o in out)
     assert radix_off_server.used_tokens() == 0

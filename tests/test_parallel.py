@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import torch
 
-from servers import Server
+from servers import Server, masked_logprobs
 from vase_sglang import EvictionConfig
 from vase_sglang.serving.hf_reference import ReferenceDecoder
 
@@ -90,26 +90,15 @@ def test_tp2_global_budget_is_each_ranks_heads_sharing_its_part(tp2_server, tiny
     its part of the budget, L · (H / tp) · K cells, with no collective; the served logprobs
     equal the reference's global row split by rank (benchmarks/global_budget.py, ranks=2),
     and differ from the one-process global row (the ranks do not trade budget)."""
-    import sys
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.global_budget import MaskedBudgetRun, Row
-
     prompt = [(17 * i + 3) % 900 + 10 for i in range(12)]
     out = tp2_server.generate(input_ids=prompt, max_new_tokens=120, return_logprob=True,
                               sampling_params={"ignore_eos": True, "custom_params": {"kv_evict": {
                                   "policy": "trimkv", "budget_scope": "global"}}})
     tokens = out["output_ids"]
     served = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
-    run = MaskedBudgetRun(model, gates_file, budget=BUDGET, window=WINDOW, seed=SEED)
-    logprobs, _ = run.run(prompt, tokens, [Row("trimkv", "global", 0, 2),
-                                           Row("trimkv", "global")])
-    per_rank, one_process = ([float(logprobs[b, t, tok]) for t, tok in enumerate(tokens)]
-                             for b in range(2))
+    per_rank, one_process = masked_logprobs(
+        tiny_model_fp32, prompt, tokens, [{"scope": "global", "ranks": 2}, "global"],
+        gates=gates_file, budget=BUDGET, window=WINDOW, seed=SEED)
     assert out["meta_info"]["kv_evicted_tokens"] > 0
     assert max(abs(a - b) for a, b in zip(served, per_rank)) < TOL
     assert max(abs(a - b) for a, b in zip(served, one_process)) > 1e-2
@@ -121,14 +110,7 @@ def test_dp2_serves_the_global_budget_on_either_worker(dp2_server, tiny_model_fp
     on each worker at once (routed_dp_rank) and a per-head one beside them: both global ones
     equal the reference's one-process global row, and differ from its per-head row; every
     slot comes back on both workers (strict checks, pool empty)."""
-    import sys
     from concurrent.futures import ThreadPoolExecutor
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.global_budget import MaskedBudgetRun, Row
 
     prompt = [(19 * i + 7) % 800 + 10 for i in range(12)]
 
@@ -144,17 +126,13 @@ def test_dp2_serves_the_global_budget_on_either_worker(dp2_server, tiny_model_fp
         got = list(pool.map(serve, ["global", "global", "head"], [0, 1, 0]))
     dp2_server.wait_idle_checked()
     assert dp2_server.used_tokens() == 0
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
-    run = MaskedBudgetRun(model, gates_file, budget=BUDGET, window=WINDOW, seed=SEED)
-    for tokens, served, meta in got[:2]:
+    assert got[0][0] == got[1][0]  # the same tokens on both workers: one reference run
+    glob, head = masked_logprobs(tiny_model_fp32, prompt, got[0][0], ["global", "per-head"],
+                                 gates=gates_file, budget=BUDGET, window=WINDOW, seed=SEED)
+    for _tokens, served, meta in got[:2]:
         assert meta["kv_evicted_tokens"] > 0
-        logprobs, _ = run.run(prompt, tokens, [Row("trimkv", "global"),
-                                               Row("trimkv", "per-head")])
-        glob, head = ([float(logprobs[b, t, tok]) for t, tok in enumerate(tokens)]
-                      for b in range(2))
         assert max(abs(a - b) for a, b in zip(served, glob)) < TOL
         assert max(abs(a - b) for a, b in zip(served, head)) > 1e-2
-    assert got[0][0] == got[1][0]
 
 
 def test_tp2_frees_the_same_slots_on_every_rank(tp2_server):

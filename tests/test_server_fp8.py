@@ -19,7 +19,7 @@ format, differ by 0.15 to 4.2.
 
 import pytest
 import torch
-from servers import Server, max_logprob_diff, reference, serve_request
+from servers import Server, masked_logprobs, max_logprob_diff, reference, serve_request
 from vase_sglang import POLICY_NAMES
 
 torch.set_num_threads(1)
@@ -107,33 +107,19 @@ def test_e4m3_global_budget_equals_the_masked_reference_rounding_kv(e4m3_server,
     as they are, read back as the pool's fp8 values (scale 1). Served, the request equals the
     masked reference's global row on an e4m3-rounded cache (TOL_FP8, as above); the same row
     without rounding and the rounded per-head row are further off (negative controls)."""
-    import sys
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    from servers import trimkv_gates
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.global_budget import MaskedBudgetRun, Row
-
     prompt = tokenizer("Global budgets on an 8-bit cache")["input_ids"]
     budget, window, n = 24, 8, 120
     tokens, logprobs, meta = serve_request(e4m3_server, prompt, n, kv_evict={
         "policy": "trimkv", "budget": budget, "window": window, "budget_scope": "global"})
     e4m3_server.wait_idle_checked()
     assert e4m3_server.used_tokens() == 0 and meta["kv_evicted_tokens"] > 0
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
-
-    def row(kv_dtype, scope):
-        run = MaskedBudgetRun(model, trimkv_gates(model.config), budget=budget, window=window,
-                              seed=5, kv_dtype=kv_dtype)
-        ref, _ = run.run(prompt, tokens, [Row("trimkv", scope)])
-        return [float(ref[0, t, tok]) for t, tok in enumerate(tokens)]
-
-    assert max_logprob_diff(logprobs, row(E4M3, "global")) < TOL_FP8
-    assert max_logprob_diff(logprobs, row(None, "global")) > 10 * TOL_FP8
-    assert max_logprob_diff(logprobs, row(E4M3, "per-head")) > 10 * TOL_FP8
+    kw = dict(budget=budget, window=window, seed=5)
+    rounded, per_head = masked_logprobs(tiny_model_fp32, prompt, tokens, ["global", "per-head"],
+                                        kv_dtype=E4M3, **kw)
+    (unrounded,) = masked_logprobs(tiny_model_fp32, prompt, tokens, ["global"], **kw)
+    assert max_logprob_diff(logprobs, rounded) < TOL_FP8
+    assert max_logprob_diff(logprobs, unrounded) > 10 * TOL_FP8
+    assert max_logprob_diff(logprobs, per_head) > 10 * TOL_FP8
 
 
 def test_budget_never_reached_is_identical_to_stock_sglang_with_the_same_dtype(

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servers import PAGE, PAGED, SNAPKV, stream_and_abort, trimkv_gates
+from servers import PAGE, PAGED, SNAPKV, masked_logprobs, stream_and_abort, trimkv_gates
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.global_budget import MaskedBudgetRun, Row  # noqa: E402
@@ -121,19 +121,16 @@ def test_without_the_radix_cache_the_prompt_is_a_candidate_too(radix_off_server,
     budget with the generated ones (sinks: the sequence's first tokens). Served, the request
     equals the reference's global row with the prompt unprotected, and not the row that
     protects it; every slot comes back."""
-    from transformers import AutoModelForCausalLM
-
     prompt = tokenizer("Without the radix cache, the prompt's tokens compete for the "
                        "global budget")["input_ids"]
     ids, logprobs, meta = _serve(radix_off_server, prompt, "global")
     radix_off_server.wait_idle_checked()
     assert radix_off_server.used_tokens() == 0
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
-    private = MaskedBudgetRun(model, trimkv_gates(model.config), budget=BUDGET, window=WINDOW,
-                              sinks=SINKS, seed=SNAPKV["seed"], protect_prompt=False)
-    unprotected, _ = private.run(prompt, ids, [Row("trimkv", "global")])
+    (unprotected,) = masked_logprobs(tiny_model_fp32, prompt, ids, ["global"], budget=BUDGET,
+                                     window=WINDOW, sinks=SINKS, seed=SNAPKV["seed"],
+                                     protect_prompt=False)
     assert meta["kv_evicted_tokens"] > 0
-    assert _max_diff(logprobs, [float(unprotected[0, t, tok]) for t, tok in enumerate(ids)]) < TOL
+    assert _max_diff(logprobs, unprotected) < TOL
     assert _max_diff(logprobs, _row_logprobs(reference, prompt, ids, "global")) > 100 * TOL
 
 
@@ -192,25 +189,16 @@ def test_with_pages_whole_pages_are_freed_and_the_cells_are_the_reference_row(
     (K = 24) the newest window's K/V and side values are copied behind the cells, as per head.
     Served, the request equals the reference's global row with the same pages within TOL, not
     its per-head row; every page comes back (strict checks, pool empty)."""
-    from transformers import AutoModelForCausalLM
-
     prompt = tokenizer("Pages of sixteen tokens: the global budget frees whole pages")["input_ids"]
     assert len(prompt) % PAGE  # a partial last page: private
     window = PAGED["window"]
-    out = paged_server.generate(input_ids=prompt, max_new_tokens=N_TOKENS, return_logprob=True,
-                                sampling_params={"ignore_eos": True, "custom_params": {"kv_evict": {
-                                    "policy": "trimkv", "budget": budget, "window": window,
-                                    "sinks": SINKS, "budget_scope": "global"}}})
+    ids, logprobs, meta = _serve(paged_server, prompt, "global", budget=budget, window=window)
     paged_server.wait_idle_checked()
     assert paged_server.used_tokens() == 0
-    ids = out["output_ids"]
-    logprobs = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
-    assert out["meta_info"]["kv_evicted_tokens"] > 0
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
-    run = MaskedBudgetRun(model, trimkv_gates(model.config), budget=budget, window=window,
-                          sinks=SINKS, seed=PAGED["seed"], page_size=PAGE)
-    ref, _ = run.run(prompt, ids, [Row("trimkv", "global"), Row("trimkv", "per-head")])
-    glob, head = ([float(ref[b, t, tok]) for t, tok in enumerate(ids)] for b in range(2))
+    assert meta["kv_evicted_tokens"] > 0
+    glob, head = masked_logprobs(tiny_model_fp32, prompt, ids, ["global", "per-head"],
+                                 budget=budget, window=window, sinks=SINKS, seed=PAGED["seed"],
+                                 page_size=PAGE)
     assert _max_diff(logprobs, glob) < TOL
     assert _max_diff(logprobs, head) > 100 * TOL
 

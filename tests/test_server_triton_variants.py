@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from servers import Server, max_logprob_diff, reference, serve_request
+from servers import Server, masked_logprobs, max_logprob_diff, reference, serve_request
 from test_server_triton import triton_env
 
 PAGE, BUDGET, WINDOW = 16, 32, 16
@@ -80,26 +80,14 @@ def test_global_budget_with_every_variant_equals_the_masked_reference(variant_se
     the prompt is private (radix off), pages of 16 go back whole, and SGLang's kernel reads the
     plain tokens while the cell kernel's part is merged in. Equal to the masked reference's row
     with the same ranks, pages and unprotected prompt within TOL; not to its per-head row."""
-    import sys
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    from servers import trimkv_gates
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.global_budget import MaskedBudgetRun, Row
-
     prompt = tokenizer("Triton, ranks, pages and cells")["input_ids"]
     tokens, logprobs, meta = serve_request(variant_server, prompt, N, kv_evict={
         "policy": "trimkv", "budget_scope": "global"})
     variant_server.wait_idle_checked()
     assert variant_server.used_tokens() == 0 and meta["kv_evicted_tokens"] > 0
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_fp32, torch_dtype=torch.float32)
-    run = MaskedBudgetRun(model, trimkv_gates(model.config), budget=BUDGET, window=WINDOW,
-                          seed=5, protect_prompt=False, page_size=PAGE)
-    ref, _ = run.run(prompt, tokens, [Row("trimkv", "global", 0, 2), Row("trimkv", "per-head")])
-    glob, head = ([float(ref[b, t, tok]) for t, tok in enumerate(tokens)] for b in range(2))
+    glob, head = masked_logprobs(tiny_model_fp32, prompt, tokens,
+                                 [{"scope": "global", "ranks": 2}, "per-head"], budget=BUDGET,
+                                 window=WINDOW, seed=5, protect_prompt=False, page_size=PAGE)
     assert max_logprob_diff(logprobs, glob, tol=TOL) < TOL
     assert max_logprob_diff(logprobs, head) > 1e-2
 
