@@ -85,7 +85,7 @@ def cell_hits(forward_batch) -> tuple[list[int], list[tuple[int, CellView]]]:
     return rows, [(i, rt.cell_views[row]) for i, row in enumerate(rows) if row in rt.cell_views]
 
 
-def evict_one(rt, cfg, n: int, sinks: int, req) -> tuple[torch.Tensor, torch.Tensor]:
+def evict_one(rt, cfg, n: int, sinks: int, req) -> tuple[torch.Tensor, CellView]:
     """Select and pack one request's candidates under cfg.budget_scope; returns its row's
     slots before the rewrite ([n + R]) and the new cell map's view, the K/V and side values
     already moved (the caller rewrites the row and frees the leaving slots: step._apply).
