@@ -85,6 +85,27 @@ def test_poisson_schedule_is_seeded_and_resumes_with_its_gaps():
     assert aph.segment_times("all", 6, [2, 4], 0.5, seed=3) == [0.0, 0.0]
 
 
+def test_resume_binds_the_arrival_settings_only_to_poisson_records(tmp_path):
+    """A folder holding only `all` records takes another --rate (the Poisson run it has not
+    made yet); once Poisson records exist, their rate and arrival seed bind the folder."""
+    a = aph.parse_args(BASE + ["--out", str(tmp_path), "--rate", "0.03"])
+    a.cpu = "a processor"
+    (tmp_path / "records").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps(aph.config(a)))
+    (tmp_path / "records" / "stock__all__r0.jsonl").write_text("{}\n")
+    faster = aph.parse_args(BASE + ["--out", str(tmp_path), "--rate", "0.05", "--arrival-seed", "4"])
+    faster.cpu = a.cpu
+    aph.check_resume(tmp_path, faster)
+    later = aph.parse_args(BASE + ["--out", str(tmp_path), "--max-new-tokens", "30"])
+    later.cpu = a.cpu
+    with pytest.raises(SystemExit, match="max_new_tokens"):  # the other settings still bind
+        aph.check_resume(tmp_path, later)
+    (tmp_path / "records" / "stock__poisson__r0.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match="rate.*arrival_seed"):
+        aph.check_resume(tmp_path, faster)
+    aph.check_resume(tmp_path, a)
+
+
 # ----------------------------------------------------------------------------- multi-turn prompts
 
 
