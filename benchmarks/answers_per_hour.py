@@ -76,7 +76,7 @@ from benchmarks.accuracy_harness import refuse_other_settings  # noqa: E402
 # the summary's names, which the tests use as answers_per_hour.NAME
 from benchmarks.answers_per_hour_report import (  # noqa: E402, F401
     STOCK, WORKLOADS, answered, answers_per_hour, answers_per_hour_ci, load_runs, markdown,
-    percentiles, plot, report, run_figures, summarize, turn_figures, turn_versus_stock,
+    percentiles, plot, report, run_figures, run_sizes, summarize, turn_figures, turn_versus_stock,
     versus_stock)
 
 DEFAULT_ARMS = (STOCK, "vase-attnv:budget=128", "vase-attnv:budget=64",

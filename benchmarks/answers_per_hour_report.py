@@ -424,12 +424,24 @@ def plot(summary: dict, out: Path) -> Path | None:
     return path
 
 
+def run_sizes(cfg: dict, runs: dict) -> dict[str, int]:
+    """Problems a run of each workload has: the latest command's (config.json), or more where
+    the records hold runs started larger (their first segment's n) — a later command that adds
+    Poisson arms without --multi-turn must not hide the conversations already recorded."""
+    n = {"all": cfg["problems"], "poisson": cfg["problems"], "multiturn": cfg["multi_turn"]}
+    for (w, _, _), run_ in runs.items():
+        first = [s["n"] for s in run_["segments"] if s.get("segment") == 0 and "n" in s]
+        n[w] = max([n.get(w, 0)] + first)
+    return n
+
+
 def report(out: Path, boot_iters: int = 10000) -> dict:
     cfg = json.loads((out / "config.json").read_text())
-    n = {"all": cfg["problems"], "poisson": cfg["problems"], "multiturn": cfg["multi_turn"]}
+    runs = load_runs(out)
+    n = run_sizes(cfg, runs)
     probs = acc.load_problems(cfg["task"], max(n.values()), cfg["seed"])
     pids = {w: [p["pid"] for p in probs[:k]] for w, k in n.items()}
-    summary = summarize(load_runs(out), pids, cfg.get("arms"), boot_iters)
+    summary = summarize(runs, pids, cfg.get("arms"), boot_iters)
     summary["config"] = cfg
     plot(summary, out)
     (out / "summary.md").write_text(markdown(summary))

@@ -200,6 +200,20 @@ def test_summary_answers_per_hour_paired_ratio_tokens_and_mcnemar():
     assert "| stock | 2 |" in md and "8.00×" in md and "unfinished: poisson, stock" in md
 
 
+def test_run_sizes_keep_the_conversations_a_later_command_did_not_ask_for():
+    """A command that adds Poisson arms without --multi-turn writes multi_turn 0 to config.json:
+    the 40 conversations recorded before are still whole runs (their first segment's n), not
+    runs of 0 problems left out as unfinished."""
+    cfg = {"problems": 60, "multi_turn": 0}
+    runs = {("multiturn", "stock", 0): {"rows": {}, "segments": [{"segment": 0, "n": 40}]},
+            ("all", "stock", 0): {"rows": {}, "segments": [{"segment": 0, "n": 60},
+                                                            {"segment": 1, "n": 7}]},
+            ("poisson", "stock", 0): {"rows": {}, "segments": [{"segment": 1, "n": 80}]}}
+    assert aph.run_sizes(cfg, runs) == {"all": 60, "poisson": 60, "multiturn": 40}
+    assert aph.run_sizes({"problems": 80, "multi_turn": 50}, runs) == {  # a larger run asked for
+        "all": 80, "poisson": 80, "multiturn": 50}
+
+
 def test_paired_interval_has_no_spread_for_identical_arms():
     """Both arms drawn on the same problems and rounds: equal records give a ratio of exactly
     1 in every resample, where unpaired resamples would spread."""
